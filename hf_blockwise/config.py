@@ -1,0 +1,93 @@
+"""`BlockwiseConfig`: the validated, JSON-serialisable description of a set of proposal heads."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .serialization import atomic_write_text
+
+CONFIG_NAME = "blockwise_config.json"
+
+
+@dataclass
+class BlockwiseConfig:
+    """Configuration of the proposal heads of a [`BlockwiseHeadsModel`].
+
+    Args:
+        block_size (`int`, defaults to 4):
+            k in Stern et al. (2018): the number of tokens proposed per decoding step *including* the base
+            model's own next token, so the model carries `block_size - 1` proposal heads.
+        head_hidden_size (`int`, *optional*):
+            Hidden width of *one* head's feed-forward layer; the shared layer is `(block_size - 1) *
+            head_hidden_size` wide (Stern §6, Figure 3). `None` means "the base decoder's own feed-forward
+            width", resolved when the heads are attached.
+        base_model_name_or_path (`str`, *optional*):
+            Hub name or local path of the base checkpoint, used by `from_pretrained` to load the base.
+        base_model_type (`str`, *optional*):
+            `config.model_type` of the base (e.g. `"marian"`); checked when heads are attached.
+        hidden_size (`int`, *optional*):
+            Width of the decoder states fed to the output projection; checked when heads are attached.
+        vocab_size (`int`, *optional*):
+            Number of rows of the base's output projection; checked when heads are attached.
+    """
+
+    block_size: int = 4
+    head_hidden_size: int | None = None
+    base_model_name_or_path: str | None = None
+    base_model_type: str | None = None
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 2:
+            raise ValueError(
+                f"block_size must be an int >= 2 (k tokens per step, k - 1 heads), got {self.block_size!r}"
+            )
+        for name in ("head_hidden_size", "hidden_size", "vocab_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        for name in ("base_model_name_or_path", "base_model_type"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a string or None, got {value!r}")
+
+    @property
+    def num_heads(self) -> int:
+        """Number of proposal heads, `block_size - 1`."""
+        return self.block_size - 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BlockwiseConfig:
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"Unknown BlockwiseConfig keys {unknown}; known keys are {sorted(known)}")
+        return cls(**data)
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> str:
+        """Writes `blockwise_config.json` into `save_directory` atomically and returns its path."""
+        path = os.path.join(save_directory, CONFIG_NAME)
+        atomic_write_text(path, self.to_json_string())
+        return path
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike) -> BlockwiseConfig:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                data = json.load(handle)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not valid JSON ({error}); the heads checkpoint is corrupt") from error
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} must hold a JSON object, found {type(data).__name__}")
+        return cls.from_dict(data)

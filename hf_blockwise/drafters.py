@@ -1,0 +1,117 @@
+"""Drafters: what proposes the next tokens that a verification pass then checks.
+
+The contract follows transformers' `CandidateGenerator` (`get_candidates`, `update_candidate_strategy`),
+adapted to batches whose rows advance at different speeds: a drafter receives a [`DraftRequest`] describing
+every row and returns a [`Drafts`] with a token count per row. Drafters keep no state between steps; what
+they need arrives in the request.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .heads import output_projection_logits
+
+if TYPE_CHECKING:
+    from .modeling import BlockwiseHeadsModel
+
+
+@dataclass
+class DraftRequest:
+    """What a drafter sees before a verification step.
+
+    Attributes:
+        sequences (`torch.LongTensor` of shape `(batch_size, max_length)`):
+            each row's verified decoder tokens (decoder start and prompt included), right-padded.
+        lengths (`torch.LongTensor` of shape `(batch_size,)`): number of verified tokens per row.
+        max_drafts (`torch.LongTensor` of shape `(batch_size,)`): most drafts each row can use this step
+            (0 for finished rows); proposing more is allowed and the surplus is ignored.
+        last_states (`torch.Tensor` of shape `(batch_size, hidden_size)`, *optional*):
+            the decoder state, at the output projection, that predicted each row's last token; `None` before
+            the first forward pass.
+        encoder_input_ids (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*): the source.
+        encoder_attention_mask (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*).
+    """
+
+    sequences: torch.Tensor
+    lengths: torch.Tensor
+    max_drafts: torch.Tensor
+    last_states: torch.Tensor | None = None
+    encoder_input_ids: torch.Tensor | None = None
+    encoder_attention_mask: torch.Tensor | None = None
+
+
+@dataclass
+class Drafts:
+    """Proposed continuations.
+
+    Attributes:
+        tokens (`torch.LongTensor` of shape `(batch_size, num_drafts)`): drafts, left-aligned per row.
+        lengths (`torch.LongTensor` of shape `(batch_size,)`): how many leading entries of each row are drafts.
+    """
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+
+    @classmethod
+    def empty(cls, batch_size: int, device: torch.device) -> Drafts:
+        return cls(
+            tokens=torch.zeros(batch_size, 0, dtype=torch.long, device=device),
+            lengths=torch.zeros(batch_size, dtype=torch.long, device=device),
+        )
+
+
+class Drafter(ABC):
+    """Base class of everything that can be passed as `assistant=` to blockwise decoding.
+
+    Attributes:
+        block_size (`int`): most tokens one step may produce per row, the base model's own token included
+            (k in Stern et al.); a step feeds at most this many tokens per row to the decoder.
+    """
+
+    block_size: int
+
+    @abstractmethod
+    def get_candidates(self, request: DraftRequest) -> Drafts:
+        """Proposes up to `block_size - 1` tokens that continue each row."""
+
+    def update_candidate_strategy(self, request: DraftRequest, num_accepted: torch.Tensor) -> None:  # noqa: B027
+        """Called after each verification with the drafts accepted per row, shape `(batch_size,)`.
+
+        A hook for adaptive drafters; the drafters of this package are stateless and ignore it.
+        """
+
+
+class NoDrafter(Drafter):
+    """Proposes nothing: the loop then decodes one greedy token per forward pass."""
+
+    block_size = 1
+
+    def get_candidates(self, request: DraftRequest) -> Drafts:
+        return Drafts.empty(request.lengths.shape[0], request.lengths.device)
+
+
+class HeadsDrafter(Drafter):
+    """Drafts with the proposal heads of a [`BlockwiseHeadsModel`] (Stern et al. §3–4).
+
+    The heads read the decoder state that predicted each row's last token, a by-product of the previous
+    verification pass, so drafting costs no extra decoder call. Before the first pass there is no state,
+    and the first step drafts nothing.
+    """
+
+    def __init__(self, model: BlockwiseHeadsModel) -> None:
+        self.model = model
+        self.block_size = model.config.block_size
+
+    def get_candidates(self, request: DraftRequest) -> Drafts:
+        batch_size = request.lengths.shape[0]
+        if request.last_states is None:
+            return Drafts.empty(batch_size, request.lengths.device)
+        head_states = self.model.heads(request.last_states.to(self.model.heads.up.weight.dtype))  # (B, k-1, d)
+        tokens = output_projection_logits(self.model.base_model, head_states).argmax(dim=-1)  # (B, k-1)
+        lengths = torch.full((batch_size,), tokens.shape[1], dtype=torch.long, device=tokens.device)
+        return Drafts(tokens=tokens, lengths=lengths)

@@ -1,0 +1,143 @@
+"""The shared suite: blockwise output equals greedy `generate`, over architecture × drafter × batch × arguments."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from conftest import ARCHITECTURES, OracleDrafter, random_batch
+
+from hf_blockwise import (
+    BlockwiseConfig,
+    BlockwiseHeadsModel,
+    ExactAcceptance,
+    blockwise_generate,
+    first_divergence,
+)
+
+GENERATE_ARGUMENTS = {
+    "max_new_tokens": lambda model: {"max_new_tokens": 24},
+    "max_length": lambda model: {"max_length": 17},
+    "min_new_tokens": lambda model: {"min_new_tokens": 14, "max_new_tokens": 20},
+    "several_eos": lambda model: {
+        "eos_token_id": [model.config.eos_token_id, 7, 11, 13],
+        "max_new_tokens": 24,
+    },
+    "forced_bos": lambda model: {"forced_bos_token_id": 5, "max_new_tokens": 16},
+    "repetition_penalty": lambda model: {"repetition_penalty": 1.4, "max_new_tokens": 24},
+    "no_repeat_ngram_size": lambda model: {"no_repeat_ngram_size": 2, "max_new_tokens": 24},
+    "bad_words_ids": lambda model: {"bad_words_ids": [[7], [8, 9]], "max_new_tokens": 24},
+    # A strong bias towards the pad token makes greedy emit pad mid-sentence: the hardest case for models
+    # that number decoder positions by counting non-pad tokens (M2M100).
+    "pad_in_output": lambda model: {
+        "sequence_bias": {(model.config.pad_token_id,): 4.0},
+        "max_new_tokens": 20,
+    },
+}
+
+DRAFTERS = ["heads", "zero_heads", "noisy_oracle"]
+
+
+def heads_model(base, block_size: int, seed: int, zero: bool) -> BlockwiseHeadsModel:
+    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=block_size))
+    if not zero:
+        torch.manual_seed(seed)
+        torch.nn.init.normal_(model.heads.down.weight, std=1.0)
+    return model
+
+
+def assert_same_as_greedy(base, batch, greedy: torch.Tensor, blockwise: torch.Tensor) -> None:
+    """Equal, or different only where the base model's top two logits are a floating-point near-tie."""
+    if torch.equal(greedy, blockwise):
+        return
+    divergences = first_divergence(
+        base,
+        batch["input_ids"],
+        greedy,
+        blockwise,
+        batch["attention_mask"],
+        base.generation_config.pad_token_id,
+    )
+    assert divergences, f"outputs differ only in shape: {greedy.shape} vs {blockwise.shape}"
+    not_ties = [d for d in divergences if not d.is_near_tie()]
+    assert not not_ties, f"blockwise output differs from greedy beyond a near-tie: {not_ties}"
+
+
+@pytest.mark.parametrize("arguments", sorted(GENERATE_ARGUMENTS))
+@pytest.mark.parametrize("drafter_name", DRAFTERS)
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_blockwise_equals_greedy(tiny_models, architecture: str, drafter_name: str, arguments: str) -> None:
+    base = tiny_models[architecture]
+    kwargs = GENERATE_ARGUMENTS[arguments](base)
+    for batch_size, seed, block_size in [(1, 0, 3), (3, 1, 4), (8, 2, 6)]:
+        batch = random_batch(base, batch_size, seed)
+        greedy = base.generate(**batch, do_sample=False, num_beams=1, **kwargs)
+        if drafter_name == "noisy_oracle":
+            drafter = OracleDrafter(greedy, block_size=block_size, corruption=0.3, seed=seed)
+            output = base.generate(
+                **batch,
+                custom_generate=blockwise_generate,
+                assistant=drafter,
+                acceptance=ExactAcceptance(),
+                **kwargs,
+            )
+        else:
+            model = heads_model(base, block_size, seed, zero=drafter_name == "zero_heads")
+            output = model.generate(**batch, **kwargs)
+        assert_same_as_greedy(base, batch, greedy, output)
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_no_drafter_is_greedy(tiny_models, architecture: str) -> None:
+    base = tiny_models[architecture]
+    batch = random_batch(base, 4, seed=7)
+    greedy = base.generate(**batch, max_new_tokens=20)
+    output = base.generate(**batch, max_new_tokens=20, custom_generate=blockwise_generate, assistant=None)
+    assert_same_as_greedy(base, batch, greedy, output)
+    heads = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=4))
+    assert torch.equal(heads.generate(**batch, max_new_tokens=20, assistant=None), greedy)
+
+
+def expected_forwards(num_generated: int, block_size: int, drafts_at_prefill: bool) -> int:
+    """Decoder calls of a perfect drafter: k tokens per call, or 1 + k per call after a draft-less prefill."""
+    if drafts_at_prefill:
+        return math.ceil(num_generated / block_size)
+    return 1 + math.ceil((num_generated - 1) / block_size)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 7])
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_perfect_drafter_needs_one_forward_per_block(tiny_models, architecture: str, block_size: int) -> None:
+    base = tiny_models[architecture]
+    for batch_size in (1, 3):
+        batch = random_batch(base, batch_size, seed=block_size)
+        greedy = base.generate(**batch, max_new_tokens=30)
+        drafter = OracleDrafter(greedy, block_size=block_size)
+        output = base.generate(
+            **batch, max_new_tokens=30, custom_generate=blockwise_generate, assistant=drafter,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+        assert torch.equal(output.sequences, greedy)
+        stats = output.decoding_stats
+        pad = base.generation_config.pad_token_id
+        generated = (greedy[:, 1:] != pad).sum(dim=1)  # tokens each row produced (padding after EOS excluded)
+        assert torch.equal(stats.accepted.sum(dim=0), generated)
+        # A decoder start token equal to pad ends the first feed (see build_feed), so no drafts at prefill.
+        drafts_at_prefill = base.generation_config.decoder_start_token_id != pad
+        assert stats.num_forwards == expected_forwards(int(generated.max()), block_size, drafts_at_prefill)
+        assert stats.mean_accepted > 1.0 or int(generated.max()) <= 1
+
+
+def test_heads_forwards_bound_with_perfect_heads(tiny_models) -> None:
+    """Heads that copy p1 are perfect on a constant output: decoder calls = 1 + ⌈(m - 1)/k⌉."""
+    base = copy.deepcopy(tiny_models["bart"])
+    with torch.no_grad():
+        base.final_logits_bias[0, 9] = 1e3  # every position now predicts token 9, heads' copies of p1 too
+    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=5))
+    batch = random_batch(base, 1, seed=0)
+    output = model.generate(**batch, max_new_tokens=21, return_dict_in_generate=True)
+    assert output.sequences[0, 1:].tolist() == [9] * 21
+    assert output.decoding_stats.num_forwards == expected_forwards(21, 5, drafts_at_prefill=False)
+    assert output.decoding_stats.accepted[:, 0].tolist() == [1, 5, 5, 5, 5]

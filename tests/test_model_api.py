@@ -1,0 +1,259 @@
+"""BlockwiseHeadsModel as users meet it: wrapping, heads, save/load, generate arguments, streaming, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import ARCHITECTURES, build_model, random_batch
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.generation.streamers import BaseStreamer
+
+from hf_blockwise import (
+    BlockwiseConfig,
+    BlockwiseHeadsModel,
+    DecodingStats,
+    blockwise_generate,
+    first_divergence,
+)
+from hf_blockwise.heads import output_projection_logits
+from hf_blockwise.serialization import atomic_write_text
+
+
+def trained_looking_heads(base, block_size: int = 4, seed: int = 0) -> BlockwiseHeadsModel:
+    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=block_size))
+    torch.manual_seed(seed)
+    torch.nn.init.normal_(model.heads.down.weight, std=1.0)
+    return model
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_untrained_heads_copy_p1(tiny_models, architecture: str) -> None:
+    """Zero-initialised heads through the base's own projection (bias, T5 rescaling) reproduce its logits."""
+    base = tiny_models[architecture]
+    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3))
+    batch = random_batch(base, 2, seed=3)
+    labels = torch.randint(3, 50, (2, 5))
+    with torch.no_grad():
+        output = model(**batch, labels=labels)
+    assert output.head_logits.shape == (2, 5, 2, base.config.vocab_size)
+    for head in range(2):
+        torch.testing.assert_close(output.head_logits[:, :, head], output.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_output_projection_applies_final_logits_bias(tiny_models) -> None:
+    base = tiny_models["marian"]
+    states = torch.randn(3, base.config.d_model)
+    expected = base.lm_head(states) + base.final_logits_bias
+    torch.testing.assert_close(output_projection_logits(base, states), expected)
+
+
+def test_config_is_filled_from_base_and_validated(tiny_models) -> None:
+    model = BlockwiseHeadsModel(tiny_models["t5"], BlockwiseConfig(block_size=5))
+    assert model.config.num_heads == 4
+    assert model.config.head_hidden_size == 48  # the base decoder's d_ff
+    assert (model.config.base_model_type, model.config.hidden_size, model.config.vocab_size) == ("t5", 32, 64)
+    assert model.heads.up.out_features == 4 * 48 and model.heads.down.out_features == 4 * 32
+    round_trip = BlockwiseConfig.from_dict(json.loads(model.config.to_json_string()))
+    assert round_trip == model.config
+    for bad in ({"block_size": 1}, {"block_size": 2.5}, {"block_size": True}, {"head_hidden_size": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            BlockwiseConfig(**bad)
+    with pytest.raises(ValueError, match="Unknown BlockwiseConfig keys"):
+        BlockwiseConfig.from_dict({"block_size": 3, "heads": 2})
+
+
+def test_save_and_load_round_trip(tmp_path, tiny_models) -> None:
+    base = tiny_models["bart"]
+    model = trained_looking_heads(base, block_size=4)
+    batch = random_batch(base, 8, seed=4)
+    before = model.generate(**batch, max_new_tokens=20, return_dict_in_generate=True)
+
+    base_dir, heads_dir = tmp_path / "base", tmp_path / "heads"
+    base.save_pretrained(base_dir)
+    model.config.base_model_name_or_path = str(base_dir)
+    model.save_pretrained(heads_dir)
+    assert sorted(os.listdir(heads_dir)) == ["blockwise_config.json", "blockwise_heads.safetensors"]
+    saved_config = json.loads((heads_dir / "blockwise_config.json").read_text())
+    assert saved_config["base_model_name_or_path"] == str(base_dir) and saved_config["block_size"] == 4
+
+    attached = BlockwiseHeadsModel.from_pretrained(heads_dir, base_model=base)
+    loaded = BlockwiseHeadsModel.from_pretrained(heads_dir)  # loads the base named in the config
+    for other in (attached, loaded):
+        after = other.generate(**batch, max_new_tokens=20, return_dict_in_generate=True)
+        assert torch.equal(after.sequences, before.sequences)
+        assert torch.equal(after.decoding_stats.accepted, before.decoding_stats.accepted)
+    assert torch.equal(before.sequences, base.generate(**batch, max_new_tokens=20))
+
+
+@pytest.mark.parametrize(
+    ("other", "mismatch"),
+    [("t5", "base_model_type"), ("mbart", "base_model_type"), ("bart_wide", "hidden_size"), ("bart_vocab", "vocab")],
+)
+def test_heads_refuse_a_base_that_does_not_fit(tmp_path, tiny_models, other: str, mismatch: str) -> None:
+    trained_looking_heads(tiny_models["bart"]).save_pretrained(tmp_path)
+    if other == "bart_wide":
+        from transformers import BartConfig, BartForConditionalGeneration
+
+        base = BartForConditionalGeneration(BartConfig(vocab_size=64, d_model=48, encoder_layers=1, decoder_layers=1))
+    elif other == "bart_vocab":
+        base = build_model("bart")
+        base.resize_token_embeddings(80)
+    else:
+        base = tiny_models[other]
+    with pytest.raises(ValueError, match=rf"do not fit the base model.*{mismatch}.*heads expect .* base has"):
+        BlockwiseHeadsModel.from_pretrained(tmp_path, base_model=base)
+
+
+def test_corrupt_or_missing_files_give_clear_errors(tmp_path, tiny_models) -> None:
+    base = tiny_models["bart"]
+    trained_looking_heads(base).save_pretrained(tmp_path)
+    weights = tmp_path / "blockwise_heads.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        BlockwiseHeadsModel.from_pretrained(tmp_path, base_model=base)
+    (tmp_path / "blockwise_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        BlockwiseHeadsModel.from_pretrained(tmp_path, base_model=base)
+    with pytest.raises(FileNotFoundError, match=r"holds no blockwise_config\.json"):
+        BlockwiseHeadsModel.from_pretrained(tmp_path / "..", base_model=base)
+    (tmp_path / "blockwise_config.json").write_text(json.dumps({"block_size": 4}))
+    with pytest.raises(ValueError, match="names no base checkpoint"):
+        BlockwiseHeadsModel.from_pretrained(tmp_path)
+
+
+def test_heads_of_another_block_size_are_refused(tmp_path, tiny_models) -> None:
+    base = tiny_models["bart"]
+    trained_looking_heads(base, block_size=4).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "blockwise_config.json").read_text())
+    (tmp_path / "blockwise_config.json").write_text(json.dumps({**config, "block_size": 6}))
+    with pytest.raises(ValueError, match="do not match the config"):
+        BlockwiseHeadsModel.from_pretrained(tmp_path, base_model=base)
+
+
+def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path) -> None:
+    target = tmp_path / "blockwise_config.json"
+    atomic_write_text(target, "old")
+
+    with pytest.raises(TypeError):
+        atomic_write_text(target, 123)  # type: ignore[arg-type]
+    assert target.read_text() == "old"
+    assert os.listdir(tmp_path) == ["blockwise_config.json"]  # no temporary file left behind
+
+
+def test_return_dict_carries_decoding_stats(tiny_models) -> None:
+    base = tiny_models["pegasus"]
+    model = trained_looking_heads(base, block_size=4)
+    batch = random_batch(base, 3, seed=5)
+    output = model.generate(**batch, max_new_tokens=16, return_dict_in_generate=True)
+    stats = output.decoding_stats
+    assert isinstance(stats, DecodingStats)
+    assert stats.accepted.shape == (stats.num_forwards, 3)
+    assert stats.accepted.max() <= 4 and stats.accepted[0].tolist() == [1, 1, 1]  # nothing to verify at prefill
+    generated = (output.sequences[:, 1:] != base.config.pad_token_id).sum(dim=1)
+    assert torch.equal(stats.accepted.sum(dim=0), generated)
+    active = stats.accepted > 0
+    assert stats.mean_accepted == pytest.approx(float(stats.accepted[active].float().mean()))
+    assert output.past_key_values is None
+    plain = model.generate(**batch, max_new_tokens=16)
+    assert torch.equal(plain, output.sequences)
+
+
+class RecordingStreamer(BaseStreamer):
+    def __init__(self) -> None:
+        self.chunks: list[list[int]] = []
+        self.ended = False
+
+    def put(self, value: torch.Tensor) -> None:
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self) -> None:
+        self.ended = True
+
+
+@pytest.mark.parametrize("through", ["heads_model", "custom_generate"])
+def test_streamer_receives_every_token_then_end(tiny_models, through: str) -> None:
+    base = tiny_models["marian"]
+    batch = random_batch(base, 1, seed=6)
+    greedy = base.generate(**batch, max_new_tokens=20)
+    streamer = RecordingStreamer()
+    if through == "heads_model":
+        trained_looking_heads(base).generate(**batch, max_new_tokens=20, streamer=streamer)
+    else:
+        base.generate(**batch, max_new_tokens=20, streamer=streamer, custom_generate=blockwise_generate)
+    assert streamer.ended
+    assert [token for chunk in streamer.chunks for token in chunk] == greedy[0].tolist()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"do_sample": True}, "reproduces greedy search.*'sample'"),
+        ({"num_beams": 3}, "reproduces greedy search.*'beam_search'"),
+        ({"penalty_alpha": 0.6, "top_k": 4}, "contrastive_search"),
+        ({"output_scores": True}, "output_scores=True is not supported"),
+        ({"use_cache": False}, "needs the KV cache"),
+        ({"cache_implementation": "static"}, "cache_implementation='static' is not supported"),
+    ],
+)
+def test_unsupported_generate_arguments_are_refused(tiny_models, kwargs: dict, message: str) -> None:
+    base = tiny_models["bart"]
+    model = trained_looking_heads(base)
+    with pytest.raises(ValueError, match=message):
+        model.generate(**random_batch(base, 2, seed=0), max_new_tokens=5, **kwargs)
+
+
+def test_bad_calls_are_refused(tiny_models) -> None:
+    base = tiny_models["bart"]
+    model = trained_looking_heads(base)
+    batch = random_batch(base, 2, seed=0)
+    with pytest.raises(ValueError, match="empty batch"):
+        model.generate(input_ids=batch["input_ids"][:0], attention_mask=batch["attention_mask"][:0])
+    with pytest.raises(TypeError, match="assistant= takes an hf_blockwise Drafter"):
+        model.generate(**batch, assistant=base)
+    with pytest.raises(TypeError, match="acceptance= takes an AcceptanceRule"):
+        model.generate(**batch, acceptance="top-k")
+    with pytest.raises(ValueError, match="batch size 1 only"):
+        model.generate(**batch, streamer=RecordingStreamer())
+    decoder_only = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        BlockwiseHeadsModel(decoder_only)
+
+
+def test_first_divergence_reports_position_and_gap(tiny_models) -> None:
+    base = tiny_models["t5"]
+    batch = random_batch(base, 3, seed=8)
+    greedy = base.generate(**batch, max_new_tokens=10, min_new_tokens=10)
+    assert first_divergence(base, batch["input_ids"], greedy, greedy.clone(), batch["attention_mask"]) == []
+    altered = greedy.clone()
+    altered[1, 6] = (altered[1, 6] + 1) % base.config.vocab_size
+    (divergence,) = first_divergence(base, batch["input_ids"], greedy, altered, batch["attention_mask"])
+    assert (divergence.row, divergence.position) == (1, 6)
+    assert divergence.reference_token == int(greedy[1, 6]) and divergence.candidate_token == int(altered[1, 6])
+    assert divergence.top2_gap > 0 and divergence.token_gap > 0
+    assert not divergence.is_near_tie()  # a real disagreement, not floating-point noise
+    assert divergence.is_near_tie(tolerance=divergence.token_gap + divergence.top2_gap)
+
+
+def test_training_step_moves_heads_and_leaves_frozen_base(tiny_models) -> None:
+    base = build_model("marian", seed=1)
+    base_before = {name: tensor.clone() for name, tensor in base.state_dict().items()}
+    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=4))
+    base.requires_grad_(False)
+    heads_before = {name: tensor.clone() for name, tensor in model.heads.state_dict().items()}
+    optimizer = torch.optim.AdamW(model.heads.parameters(), lr=1e-2)
+    batch = random_batch(base, 4, seed=9)
+    labels = torch.randint(3, 60, (4, 8))
+    losses = []
+    for _ in range(5):
+        output = model(**batch, labels=labels)
+        assert output.head_losses.shape == (3,)
+        optimizer.zero_grad()
+        output.loss.backward()
+        optimizer.step()
+        losses.append(float(output.loss.detach()))
+    assert losses[-1] < losses[0]
+    assert any(not torch.equal(heads_before[n], t) for n, t in model.heads.state_dict().items())
+    assert all(torch.equal(base_before[n], t) for n, t in base.state_dict().items())
