@@ -32,6 +32,7 @@ class BlockwiseHeadsOutput(ModelOutput):
 
     Attributes:
         loss (`torch.FloatTensor` of shape `()`, *optional*): mean cross-entropy of the heads, with `labels`.
+        base_loss (`torch.FloatTensor` of shape `()`, *optional*): the base model's own loss, with `labels`.
         head_losses (`torch.FloatTensor` of shape `(num_heads,)`, *optional*): cross-entropy of each head.
         logits (`torch.FloatTensor` of shape `(batch_size, target_length, vocab_size)`): the base model's p1.
         head_logits (`torch.FloatTensor` of shape `(batch_size, target_length, num_heads, vocab_size)`):
@@ -39,6 +40,7 @@ class BlockwiseHeadsOutput(ModelOutput):
     """
 
     loss: torch.Tensor | None = None
+    base_loss: torch.Tensor | None = None
     head_losses: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     head_logits: torch.Tensor | None = None
@@ -167,7 +169,13 @@ class BlockwiseHeadsModel(nn.Module):
         if labels is not None:
             head_losses = heads_cross_entropy(head_logits, labels)
             loss = head_losses.mean()
-        return BlockwiseHeadsOutput(loss=loss, head_losses=head_losses, logits=outputs.logits, head_logits=head_logits)
+        return BlockwiseHeadsOutput(
+            loss=loss,
+            base_loss=outputs.loss,
+            head_losses=head_losses,
+            logits=outputs.logits,
+            head_logits=head_logits,
+        )
 
     @torch.no_grad()
     def generate(self, *args: Any, assistant: Any = _OWN_HEADS, acceptance: Any = None, **kwargs: Any):

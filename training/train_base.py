@@ -140,6 +140,8 @@ def load_multi30k(dataset: str) -> dict[str, Pairs]:
             "val": _read_local_split(data_dir, "val"),
             "test": _read_local_split(data_dir, "test_2016_flickr"),
         }
+    if data_dir.is_absolute() or dataset.startswith("."):
+        raise FileNotFoundError(f"no Multi30k folder at {dataset}; pass --dataset bentrevett/multi30k for the Hub")
     from datasets import load_dataset  # imported lazily: only needed for the Hub path
 
     ds = load_dataset(dataset)
@@ -608,7 +610,7 @@ def finish_epoch(
         "train_loss": progress.epoch_loss_sum / max(1, progress.epoch_tokens),
         "val_loss": val_loss,
         f"val_bleu_first{args.eval_sentences}": val_bleu,
-        "wall_time_s": progress.train_seconds,
+        "wall_time_s_cumulative": progress.train_seconds,
     }
     log["epochs"].append(entry)
     print(json.dumps(entry))

@@ -1,0 +1,203 @@
+"""`BlockwiseTrainer`: trains proposal heads (and optionally the base) with transformers' `Seq2SeqTrainer`."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import sacrebleu
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import AutoModelForSeq2SeqLM, Seq2SeqTrainer
+
+from .config import CONFIG_NAME
+from .modeling import WEIGHTS_NAME, BlockwiseHeadsModel
+from .trainer_config import BlockwiseTrainingArguments
+
+# In a checkpoint written while the base is trained, the base sits beside the heads.
+BASE_IN_CHECKPOINT = "."
+
+
+class Seq2SeqPadCollator:
+    """Pads `input_ids`/`attention_mask` with the pad id and `labels` with -100; the base model derives its
+    decoder inputs from the labels itself."""
+
+    def __init__(self, pad_token_id: int) -> None:
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        def pad(key: str, value: int) -> torch.Tensor:
+            rows = [list(feature[key]) for feature in features]
+            width = max(len(row) for row in rows)
+            return torch.tensor([row + [value] * (width - len(row)) for row in rows], dtype=torch.long)
+
+        batch = {"input_ids": pad("input_ids", self.pad_token_id), "labels": pad("labels", -100)}
+        batch["attention_mask"] = (
+            pad("attention_mask", 0) if "attention_mask" in features[0] else (batch["input_ids"] != self.pad_token_id)
+        ).long()
+        return batch
+
+
+def head_accuracies(head_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Top-1 accuracy of each head on the labels it predicts.
+
+    Args:
+        head_logits (`torch.FloatTensor` of shape `(batch_size, target_length, num_heads, vocab_size)`).
+        labels (`torch.LongTensor` of shape `(batch_size, target_length)`), -100 where ignored.
+
+    Returns:
+        `torch.FloatTensor` of shape `(num_heads,)`.
+    """
+    accuracies = []
+    for head in range(head_logits.shape[2]):
+        shift = head + 1
+        predictions = head_logits[:, : labels.shape[1] - shift, head].argmax(dim=-1)
+        targets = labels[:, shift:]
+        valid = targets != -100
+        correct = (predictions == targets) & valid
+        accuracies.append(correct.sum().float() / valid.sum().clamp(min=1))
+    return torch.stack(accuracies)
+
+
+class BlockwiseTrainer(Seq2SeqTrainer):
+    """Trains the heads of a [`BlockwiseHeadsModel`] with the loss of Stern et al. §6.
+
+    - `head_loss="mean"` or `"sampled"` (one head per minibatch); per-head loss and top-1 accuracy are logged
+      as `head_{i}_loss` / `head_{i}_accuracy` (head i predicts i + 1 tokens ahead of p1's token).
+    - `base_training="frozen"` (default) trains only the heads, and checkpoints hold only the heads;
+      `"full"` fine-tunes the base too and checkpoints hold the base beside the heads.
+    - `evaluate` also decodes the evaluation set blockwise and reports `mean_accepted` and, given a tokenizer
+      as `processing_class`, sacreBLEU against the labels.
+    """
+
+    def __init__(self, model: BlockwiseHeadsModel, args: BlockwiseTrainingArguments, **kwargs: Any) -> None:
+        if not isinstance(model, BlockwiseHeadsModel):
+            raise TypeError(f"BlockwiseTrainer trains a BlockwiseHeadsModel, got {type(model).__name__}")
+        if not isinstance(args, BlockwiseTrainingArguments):
+            raise TypeError(f"BlockwiseTrainer takes BlockwiseTrainingArguments, got {type(args).__name__}")
+        model.base_model.requires_grad_(args.base_training == "full")
+        model.heads.requires_grad_(True)
+        if "data_collator" not in kwargs or kwargs["data_collator"] is None:
+            kwargs["data_collator"] = Seq2SeqPadCollator(model.base_model.config.pad_token_id)
+        super().__init__(model=model, args=args, **kwargs)
+        self._logged_metrics: dict[str, dict[str, list[float]]] = {
+            "train": defaultdict(list),
+            "eval": defaultdict(list),
+        }
+        self._head_rng = random.Random(args.seed)
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ):
+        outputs = model(**inputs)
+        head_losses = outputs.head_losses  # (k-1,)
+        if self.args.head_loss == "sampled" and model.training:
+            loss = head_losses[self._head_rng.randrange(head_losses.shape[0])]
+        else:
+            loss = head_losses.mean()
+        if self.args.base_training == "full":
+            loss = loss + self.args.base_loss_weight * outputs.base_loss
+        self._record(outputs, inputs["labels"], "train" if model.training else "eval")
+        return (loss, outputs) if return_outputs else loss
+
+    @torch.no_grad()
+    def _record(self, outputs: Any, labels: torch.Tensor, split: str) -> None:
+        metrics = self._logged_metrics[split]
+        for head, (loss, accuracy) in enumerate(
+            zip(outputs.head_losses.tolist(), head_accuracies(outputs.head_logits, labels).tolist(), strict=True)
+        ):
+            metrics[f"head_{head + 1}_loss"].append(loss)
+            metrics[f"head_{head + 1}_accuracy"].append(accuracy)
+        if outputs.base_loss is not None:
+            metrics["base_loss"].append(float(outputs.base_loss))
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        split = "train" if "loss" in logs else "eval"
+        prefix = "" if split == "train" else "eval_"
+        for key, values in self._logged_metrics[split].items():
+            if values:
+                logs[f"{prefix}{key}"] = sum(values) / len(values)
+        self._logged_metrics[split].clear()
+        super().log(logs, start_time)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **gen_kwargs):
+        metrics = super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        decoding = self.decode_dataset(dataset)
+        decoding = {f"{metric_key_prefix}_{key}": value for key, value in decoding.items()}
+        self.log(dict(decoding))
+        metrics.update(decoding)
+        return metrics
+
+    @torch.no_grad()
+    def decode_dataset(self, dataset) -> dict[str, float]:
+        """Blockwise-decodes (the first `eval_decoding_samples` of) `dataset`; mean accepted block and BLEU."""
+        model: BlockwiseHeadsModel = self.accelerator.unwrap_model(self.model)
+        was_training = model.training
+        model.eval()
+        limit = len(dataset) if self.args.eval_decoding_samples is None else self.args.eval_decoding_samples
+        examples = [dataset[index] for index in range(min(limit, len(dataset)))]
+        collator = Seq2SeqPadCollator(model.base_model.config.pad_token_id)
+        accepted, hypotheses, references = [], [], []
+        size = self.args.eval_decoding_batch_size
+        for start in tqdm(
+            range(0, len(examples), size), desc="blockwise eval", disable=not self.is_world_process_zero()
+        ):
+            batch = collator(examples[start : start + size])
+            output = model.generate(
+                input_ids=batch["input_ids"].to(model.device),
+                attention_mask=batch["attention_mask"].to(model.device),
+                max_new_tokens=self.args.eval_max_new_tokens,
+                return_dict_in_generate=True,
+            )
+            steps = output.decoding_stats.accepted
+            accepted.append(steps[steps > 0])
+            if self.processing_class is not None:
+                hypotheses += self.processing_class.batch_decode(output.sequences, skip_special_tokens=True)
+                labels = batch["labels"].masked_fill(batch["labels"] == -100, model.base_model.config.pad_token_id)
+                references += self.processing_class.batch_decode(labels, skip_special_tokens=True)
+        model.train(was_training)
+        results = {"mean_accepted": float(torch.cat(accepted).float().mean())}
+        if hypotheses:
+            results["bleu"] = sacrebleu.corpus_bleu(hypotheses, [references]).score
+        return results
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        model: BlockwiseHeadsModel = self.accelerator.unwrap_model(self.model)
+        if self.args.base_training == "full":
+            model.base_model.save_pretrained(output_dir)
+            original = model.config.base_model_name_or_path
+            model.config.base_model_name_or_path = BASE_IN_CHECKPOINT
+            try:
+                model.save_pretrained(output_dir)
+            finally:
+                model.config.base_model_name_or_path = original
+        else:
+            model.save_pretrained(output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        model = self.accelerator.unwrap_model(self.model if model is None else model)
+        if not os.path.isfile(os.path.join(resume_from_checkpoint, CONFIG_NAME)):
+            raise ValueError(f"{resume_from_checkpoint} is not a BlockwiseTrainer checkpoint (no {CONFIG_NAME})")
+        model.heads.load_state_dict(load_file(os.path.join(resume_from_checkpoint, WEIGHTS_NAME)))
+        if self.args.base_training == "full":
+            trained_base = AutoModelForSeq2SeqLM.from_pretrained(resume_from_checkpoint)
+            model.base_model.load_state_dict(trained_base.state_dict())
+
+    def _load_best_model(self) -> None:
+        self._load_from_checkpoint(self.state.best_model_checkpoint)

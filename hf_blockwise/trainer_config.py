@@ -1,0 +1,52 @@
+"""`BlockwiseTrainingArguments`: the settings of [`BlockwiseTrainer`], a validated `Seq2SeqTrainingArguments`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import Seq2SeqTrainingArguments
+
+HEAD_LOSSES = ("mean", "sampled")
+BASE_TRAINING = ("frozen", "full")
+
+
+@dataclass
+class BlockwiseTrainingArguments(Seq2SeqTrainingArguments):
+    """`Seq2SeqTrainingArguments` plus what training proposal heads needs (Stern et al. §6).
+
+    Args:
+        head_loss (`str`, defaults to `"mean"`): `"mean"` averages the k − 1 head cross-entropies; `"sampled"`
+            draws one head uniformly per minibatch and trains on its loss alone (Stern §6).
+        base_training (`str`, defaults to `"frozen"`): `"frozen"` trains the heads only and keeps decoding
+            lossless; `"full"` fine-tunes the base with them (Stern's "fine-tuned" setting): the base's own
+            loss joins the objective and p1 changes with training.
+        base_loss_weight (`float`, defaults to 1.0): weight of the base's loss when it is trained.
+        eval_max_new_tokens (`int`, defaults to 128): length limit of the blockwise decoding run at evaluation.
+        eval_decoding_batch_size (`int`, defaults to 32): batch size of that run.
+        eval_decoding_samples (`int`, *optional*): decode only the first N evaluation examples.
+    """
+
+    head_loss: str = field(default="mean", metadata={"help": f"one of {HEAD_LOSSES}"})
+    base_training: str = field(default="frozen", metadata={"help": f"one of {BASE_TRAINING}"})
+    base_loss_weight: float = field(default=1.0)
+    eval_max_new_tokens: int = field(default=128)
+    eval_decoding_batch_size: int = field(default=32)
+    eval_decoding_samples: int | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.head_loss not in HEAD_LOSSES:
+            raise ValueError(f"head_loss must be one of {HEAD_LOSSES}, got {self.head_loss!r}")
+        if self.base_training not in BASE_TRAINING:
+            raise ValueError(f"base_training must be one of {BASE_TRAINING}, got {self.base_training!r}")
+        if self.base_loss_weight < 0:
+            raise ValueError(f"base_loss_weight must be >= 0, got {self.base_loss_weight}")
+        for name in ("eval_max_new_tokens", "eval_decoding_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_decoding_samples is not None and self.eval_decoding_samples < 1:
+            raise ValueError(f"eval_decoding_samples must be >= 1 or None, got {self.eval_decoding_samples}")
+        # Evaluation decodes for real instead of gathering (batch, length, heads, vocab) logits.
+        self.prediction_loss_only = True
+        if self.label_names is None:
+            self.label_names = ["labels"]
+        super().__post_init__()
