@@ -21,7 +21,7 @@ def copy_task(num_examples: int, seed: int) -> Dataset:
     for _ in range(num_examples):
         length = int(torch.randint(4, 10, (1,), generator=generator))
         tokens = torch.randint(4, 60, (length,), generator=generator).tolist()
-        rows.append({"input_ids": tokens + [1], "labels": tokens + [1]})
+        rows.append({"input_ids": [*tokens, 1], "labels": [*tokens, 1]})
     return Dataset.from_list(rows)
 
 
