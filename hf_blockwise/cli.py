@@ -31,31 +31,41 @@ def _median_seconds(function: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def run_demo(model_path: str, sentences: Sequence[str], repeats: int, threads: int | None) -> int:
+def run_demo(
+    model_path: str, sentences: Sequence[str], repeats: int, threads: int | None, max_new_tokens: int = 128
+) -> int:
     from transformers import AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
     from .modeling import BlockwiseHeadsModel
 
+    transformers_logging.set_verbosity_error()  # the demo's own output is the point
     if threads:
         torch.set_num_threads(threads)
     if not os.path.isdir(model_path):
         raise SystemExit(f"No checkpoint at {model_path}: pass --model DIR holding a base model, heads and tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = BlockwiseHeadsModel.from_pretrained(model_path).eval()
+    # stored in fp16 to stay small; CPU matmuls are fast in fp32
+    model = BlockwiseHeadsModel.from_pretrained(model_path, dtype=torch.float32).eval()
     base = model.base_model
-    print(f"model: {model_path} (block size k={model.config.block_size}), {torch.get_num_threads()} threads, batch 1")
+    block_size = model.blockwise_config.block_size
+    print(f"model: {model_path} (block size k={block_size}), {torch.get_num_threads()} threads, batch 1")
 
     greedy_outputs, blockwise_outputs, accepted = [], [], []
     greedy_time = blockwise_time = 0.0
     for sentence in sentences:
         inputs = tokenizer([sentence], return_tensors="pt")
-        greedy = base.generate(**inputs, do_sample=False, num_beams=1, max_new_tokens=128)
-        output = model.generate(**inputs, max_new_tokens=128, return_dict_in_generate=True)
+        greedy = base.generate(**inputs, do_sample=False, num_beams=1, max_new_tokens=max_new_tokens)
+        output = model.generate(**inputs, max_new_tokens=max_new_tokens, return_dict_in_generate=True)
         greedy_outputs.append(greedy)
         blockwise_outputs.append(output.sequences)
         accepted.append(output.decoding_stats.accepted)
-        greedy_time += _median_seconds(lambda inputs=inputs: base.generate(**inputs, max_new_tokens=128), repeats)
-        blockwise_time += _median_seconds(lambda inputs=inputs: model.generate(**inputs, max_new_tokens=128), repeats)
+        greedy_time += _median_seconds(
+            lambda inputs=inputs: base.generate(**inputs, max_new_tokens=max_new_tokens), repeats
+        )
+        blockwise_time += _median_seconds(
+            lambda inputs=inputs: model.generate(**inputs, max_new_tokens=max_new_tokens), repeats
+        )
 
     identical = 0
     for sentence, greedy, blockwise in zip(sentences, greedy_outputs, blockwise_outputs, strict=True):
@@ -81,11 +91,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="translate a few sentences, greedy and blockwise side by side")
     demo.add_argument("--model", default=SHIPPED_MODEL, help="directory with base model, heads and tokenizer")
     demo.add_argument("--repeats", type=int, default=5, help="timing runs per sentence (median is reported)")
+    demo.add_argument("--max-new-tokens", type=int, default=128)
     demo.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     demo.add_argument("sentences", nargs="*", help="English sentences to translate (default: built-in examples)")
     args = parser.parse_args(argv)
     if args.command == "demo":
-        return run_demo(args.model, args.sentences or DEMO_SENTENCES, args.repeats, args.threads)
+        return run_demo(args.model, args.sentences or DEMO_SENTENCES, args.repeats, args.threads, args.max_new_tokens)
     return 2
 
 

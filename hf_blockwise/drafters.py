@@ -105,7 +105,7 @@ class HeadsDrafter(Drafter):
 
     def __init__(self, model: BlockwiseHeadsModel) -> None:
         self.model = model
-        self.block_size = model.config.block_size
+        self.block_size = model.blockwise_config.block_size
 
     def get_candidates(self, request: DraftRequest) -> Drafts:
         batch_size = request.lengths.shape[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -114,7 +115,7 @@ class BlockwiseHeadsModel(nn.Module):
         config = BlockwiseConfig() if config is None else config
         check_heads_fit(config, base_model)
         signature = base_signature(base_model)
-        self.config = BlockwiseConfig.from_dict(
+        self.blockwise_config = BlockwiseConfig.from_dict(
             {
                 **config.to_dict(),
                 **signature,
@@ -126,8 +127,15 @@ class BlockwiseHeadsModel(nn.Module):
         )
         self.base_model = base_model
         projection = base_model.get_output_embeddings().weight
-        self.heads = BlockwiseHeads(signature["hidden_size"], self.config.head_hidden_size, self.config.num_heads)
+        self.heads = BlockwiseHeads(
+            signature["hidden_size"], self.blockwise_config.head_hidden_size, self.blockwise_config.num_heads
+        )
         self.heads.to(device=projection.device, dtype=projection.dtype)
+
+    @property
+    def config(self):
+        """The base model's config, as for PEFT's `PeftModel`; the heads' own is `blockwise_config`."""
+        return self.base_model.config
 
     @property
     def device(self) -> torch.device:
@@ -192,15 +200,34 @@ class BlockwiseHeadsModel(nn.Module):
             *args, custom_generate=blockwise_generate, assistant=drafter, acceptance=acceptance, **kwargs
         )
 
-    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
-        """Writes `blockwise_config.json` and `blockwise_heads.safetensors` (head weights only), atomically."""
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike,
+        base_model_name_or_path: str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Writes `blockwise_config.json` and `blockwise_heads.safetensors` (head weights only), atomically.
+
+        Args:
+            save_directory: where to write.
+            base_model_name_or_path (`str`, *optional*): base to record instead of the current one, e.g. `"."`
+                when the base is saved into the same directory.
+            dtype (`torch.dtype`, *optional*): store the head weights in this dtype (e.g. `torch.float16`).
+        """
         os.makedirs(save_directory, exist_ok=True)
-        tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in self.heads.state_dict().items()}
+        tensors = {
+            name: tensor.detach().to(dtype or tensor.dtype).contiguous().cpu()
+            for name, tensor in self.heads.state_dict().items()
+        }
+        block_size = str(self.blockwise_config.block_size)
         atomic_write(
             os.path.join(save_directory, WEIGHTS_NAME),
-            lambda path: save_file(tensors, path, metadata={"format": "pt", "block_size": str(self.config.block_size)}),
+            lambda path: save_file(tensors, path, metadata={"format": "pt", "block_size": block_size}),
         )
-        self.config.save_pretrained(save_directory)
+        config = self.blockwise_config
+        if base_model_name_or_path is not None:
+            config = dataclasses.replace(config, base_model_name_or_path=base_model_name_or_path)
+        config.save_pretrained(save_directory)
 
     @classmethod
     def from_pretrained(

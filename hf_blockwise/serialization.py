@@ -20,11 +20,18 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     os.close(handle)
     try:
         write(tmp_path)
+        os.chmod(tmp_path, 0o666 & ~_current_umask())  # mkstemp creates 0600; give the usual permissions
         os.replace(tmp_path, path)
     except BaseException:
         with suppress(FileNotFoundError):
             os.remove(tmp_path)
         raise
+
+
+def _current_umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -178,12 +178,7 @@ class BlockwiseTrainer(Seq2SeqTrainer):
         model: BlockwiseHeadsModel = self.accelerator.unwrap_model(self.model)
         if self.args.base_training == "full":
             model.base_model.save_pretrained(output_dir)
-            original = model.config.base_model_name_or_path
-            model.config.base_model_name_or_path = BASE_IN_CHECKPOINT
-            try:
-                model.save_pretrained(output_dir)
-            finally:
-                model.config.base_model_name_or_path = original
+            model.save_pretrained(output_dir, base_model_name_or_path=BASE_IN_CHECKPOINT)
         else:
             model.save_pretrained(output_dir)
         if self.processing_class is not None:

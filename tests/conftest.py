@@ -147,3 +147,15 @@ class OracleDrafter(Drafter):
         tokens = torch.where(corrupt, (tokens + 1) % VOCAB_SIZE, tokens)
         lengths = (width - request.lengths).clamp(min=0, max=num)
         return Drafts(tokens=tokens, lengths=lengths)
+
+
+def word_tokenizer():
+    """A word-level tokenizer over the tiny vocabulary (`w3` … `w63`), for tests that need text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, VOCAB_SIZE)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")

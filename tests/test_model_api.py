@@ -52,12 +52,14 @@ def test_output_projection_applies_final_logits_bias(tiny_models) -> None:
 
 def test_config_is_filled_from_base_and_validated(tiny_models) -> None:
     model = BlockwiseHeadsModel(tiny_models["t5"], BlockwiseConfig(block_size=5))
-    assert model.config.num_heads == 4
-    assert model.config.head_hidden_size == 48  # the base decoder's d_ff
-    assert (model.config.base_model_type, model.config.hidden_size, model.config.vocab_size) == ("t5", 32, 64)
+    assert model.config is tiny_models["t5"].config
+    config = model.blockwise_config
+    assert config.num_heads == 4
+    assert config.head_hidden_size == 48  # the base decoder's d_ff
+    assert (config.base_model_type, config.hidden_size, config.vocab_size) == ("t5", 32, 64)
     assert model.heads.up.out_features == 4 * 48 and model.heads.down.out_features == 4 * 32
-    round_trip = BlockwiseConfig.from_dict(json.loads(model.config.to_json_string()))
-    assert round_trip == model.config
+    round_trip = BlockwiseConfig.from_dict(json.loads(config.to_json_string()))
+    assert round_trip == config
     for bad in ({"block_size": 1}, {"block_size": 2.5}, {"block_size": True}, {"head_hidden_size": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             BlockwiseConfig(**bad)
@@ -73,8 +75,7 @@ def test_save_and_load_round_trip(tmp_path, tiny_models) -> None:
 
     base_dir, heads_dir = tmp_path / "base", tmp_path / "heads"
     base.save_pretrained(base_dir)
-    model.config.base_model_name_or_path = str(base_dir)
-    model.save_pretrained(heads_dir)
+    model.save_pretrained(heads_dir, base_model_name_or_path=str(base_dir))
     assert sorted(os.listdir(heads_dir)) == ["blockwise_config.json", "blockwise_heads.safetensors"]
     saved_config = json.loads((heads_dir / "blockwise_config.json").read_text())
     assert saved_config["base_model_name_or_path"] == str(base_dir) and saved_config["block_size"] == 4

@@ -1,0 +1,62 @@
+"""Sequence-level distillation (cached, resumable) and the `hf-blockwise demo` console script."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import build_model, word_tokenizer
+from datasets import Dataset
+
+from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel
+from hf_blockwise.cli import main
+from hf_blockwise.distill import distill_dataset, distill_texts
+
+SOURCES = [" ".join(f"w{3 + (i * 7 + j * 5) % 60}" for j in range(3 + i % 6)) for i in range(10)]
+
+
+def test_distillation_matches_generate_and_resumes(tmp_path) -> None:
+    model, tokenizer = build_model("marian", seed=2), word_tokenizer()
+    cache = tmp_path / "distilled.jsonl"
+    outputs = distill_texts(model, tokenizer, SOURCES, str(cache), batch_size=4, num_beams=2, max_new_tokens=8)
+    for source, output in zip(SOURCES, outputs, strict=True):
+        ids = model.generate(**tokenizer([source], return_tensors="pt"), num_beams=2, max_new_tokens=8)
+        assert output == tokenizer.decode(ids[0], skip_special_tokens=True)
+
+    # Interrupt: keep four finished lines and a torn fifth; a rerun decodes only what is missing.
+    lines = cache.read_text().splitlines(keepends=True)
+    cache.write_text("".join(lines[:4]) + lines[4][:10])
+    calls = []
+    original_generate = model.generate
+    model.generate = lambda **kwargs: calls.append(kwargs["input_ids"].shape[0]) or original_generate(**kwargs)
+    resumed = distill_texts(model, tokenizer, SOURCES, str(cache), batch_size=4, num_beams=2, max_new_tokens=8)
+    assert resumed == outputs and sum(calls) == len(SOURCES) - 4
+
+
+def test_distill_dataset_adds_a_column(tmp_path) -> None:
+    model, tokenizer = build_model("bart", seed=2), word_tokenizer()
+    dataset = Dataset.from_dict({"en": SOURCES[:3]})
+    out = distill_dataset(dataset, model, tokenizer, "en", str(tmp_path / "c.jsonl"), num_beams=1, max_new_tokens=5)
+    assert out.column_names == ["en", "distilled"] and len(out["distilled"]) == 3
+    with pytest.raises(ValueError, match="Column 'de' not in the dataset"):
+        distill_dataset(dataset, model, tokenizer, "de", str(tmp_path / "d.jsonl"))
+
+
+def test_demo_runs_offline_on_a_saved_directory(tmp_path, capsys) -> None:
+    base, tokenizer = build_model("marian", seed=3), word_tokenizer()
+    base.generation_config.max_length = None
+    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3))
+    torch.nn.init.normal_(model.heads.down.weight, std=1.0)
+    base.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    model.save_pretrained(tmp_path, base_model_name_or_path=".", dtype=torch.float16)
+    assert json.loads((tmp_path / "blockwise_config.json").read_text())["base_model_name_or_path"] == "."
+
+    assert (
+        main(["demo", "--model", str(tmp_path), "--repeats", "1", "--max-new-tokens", "20", "w5 w6 w7", "w9 w10"]) == 0
+    )
+    printed = capsys.readouterr().out
+    assert printed.count("[identical: True]") == 2 and "mean accepted block" in printed and "speedup" in printed
+    with pytest.raises(SystemExit, match="No checkpoint"):
+        main(["demo", "--model", str(tmp_path / "missing")])
