@@ -259,23 +259,27 @@ class BlockwiseHeadsModel(nn.Module):
         return model
 
 
-def heads_cross_entropy(head_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of each head against the labels it predicts.
+def aligned_head_targets(head_logits: torch.Tensor, labels: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Pairs each head's logits with the labels it predicts: head i at position t predicts label t + i + 1.
 
     Args:
         head_logits (`torch.FloatTensor` of shape `(batch_size, target_length, num_heads, vocab_size)`).
         labels (`torch.LongTensor` of shape `(batch_size, target_length)`), -100 where ignored.
 
     Returns:
-        `torch.FloatTensor` of shape `(num_heads,)`.
+        For head i: logits of shape `(batch_size, target_length - i - 1, vocab_size)` and labels of shape
+        `(batch_size, target_length - i - 1)`.
     """
-    num_heads = head_logits.shape[2]
-    losses = []
-    for head in range(num_heads):
-        shift = head + 1  # head i at position t predicts the label at t + i + 1
-        logits = head_logits[:, : labels.shape[1] - shift, head]  # (B, T - shift, V)
-        targets = labels[:, shift:]  # (B, T - shift)
-        losses.append(nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100))
+    length = labels.shape[1]
+    return [(head_logits[:, : length - head - 1, head], labels[:, head + 1 :]) for head in range(head_logits.shape[2])]
+
+
+def heads_cross_entropy(head_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of each head against the labels it predicts, shape `(num_heads,)`."""
+    losses = [
+        nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        for logits, targets in aligned_head_targets(head_logits, labels)
+    ]
     return torch.stack(losses)
 
 

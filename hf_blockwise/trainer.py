@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForSeq2SeqLM, Seq2SeqTrainer
 
 from .config import CONFIG_NAME
-from .modeling import WEIGHTS_NAME, BlockwiseHeadsModel
+from .modeling import WEIGHTS_NAME, BlockwiseHeadsModel, aligned_head_targets
 from .trainer_config import BlockwiseTrainingArguments
 
 # In a checkpoint written while the base is trained, the base sits beside the heads.
@@ -44,22 +44,11 @@ class Seq2SeqPadCollator:
 
 
 def head_accuracies(head_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Top-1 accuracy of each head on the labels it predicts.
-
-    Args:
-        head_logits (`torch.FloatTensor` of shape `(batch_size, target_length, num_heads, vocab_size)`).
-        labels (`torch.LongTensor` of shape `(batch_size, target_length)`), -100 where ignored.
-
-    Returns:
-        `torch.FloatTensor` of shape `(num_heads,)`.
-    """
+    """Top-1 accuracy of each head on the labels it predicts (see `aligned_head_targets`), shape `(num_heads,)`."""
     accuracies = []
-    for head in range(head_logits.shape[2]):
-        shift = head + 1
-        predictions = head_logits[:, : labels.shape[1] - shift, head].argmax(dim=-1)
-        targets = labels[:, shift:]
+    for logits, targets in aligned_head_targets(head_logits, labels):
         valid = targets != -100
-        correct = (predictions == targets) & valid
+        correct = (logits.argmax(dim=-1) == targets) & valid
         accuracies.append(correct.sum().float() / valid.sum().clamp(min=1))
     return torch.stack(accuracies)
 
