@@ -34,14 +34,12 @@ import contextlib
 import gzip
 import json
 import math
-import os
 import random
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import sacrebleu
 import torch
@@ -50,6 +48,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, MarianConfig, MarianMTModel, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
+
+from hf_blockwise.serialization import atomic_write, atomic_write_text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data" / "multi30k"
@@ -345,33 +345,14 @@ def smoothed_loss(logits: torch.Tensor, labels: torch.Tensor, smoothing: float) 
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """Call ``write`` on a temporary file next to ``path``, fsync it, then ``os.replace`` it onto ``path``.
-
-    A crash at any point leaves either the old file or the new one, never a truncated file.
-    """
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp_name, 0o644)  # mkstemp creates 0600
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-
-
 def atomic_torch_save(obj: Any, path: Path) -> None:
     """``torch.save`` ``obj`` to ``path`` atomically."""
-    _atomic_write(path, lambda fh: torch.save(obj, fh))
+    atomic_write(path, lambda tmp_path: torch.save(obj, tmp_path))
 
 
 def atomic_write_json(obj: Any, path: Path) -> None:
     """Write ``obj`` as indented UTF-8 JSON to ``path`` atomically."""
-    text = json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
-    _atomic_write(path, lambda fh: fh.write(text.encode("utf-8")))
+    atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
 @dataclass
