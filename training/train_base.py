@@ -24,7 +24,8 @@ Smoke test::
 
     python training/train_base.py --out /tmp/smoke_base --max-steps 30 --threads 1
 
-Wall time on a 2-core CPU: (measured: TBD)
+Wall time on a 2-core CPU (2 threads): about 150 s per epoch with evaluation, 21 min for 8 epochs uncontended
+(measured run: 33.5 min, one epoch slowed by a concurrent test run). Result: test_2016 BLEU 32.8 (first 300).
 """
 
 from __future__ import annotations
