@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoModelForSeq2SeqLM, Seq2SeqTrainer
+from transformers.trainer import TRAINING_ARGS_NAME
 
 from .config import CONFIG_NAME
 from .modeling import WEIGHTS_NAME, BlockwiseHeadsModel, aligned_head_targets
@@ -172,7 +173,7 @@ class BlockwiseTrainer(Seq2SeqTrainer):
             model.save_pretrained(output_dir)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         model = self.accelerator.unwrap_model(self.model if model is None else model)
