@@ -1,12 +1,23 @@
 """hf_blockwise: exact blockwise parallel decoding for Hugging Face seq2seq models."""
 
-from .acceptance import AcceptanceRule, ExactAcceptance, accepted_lengths
+from .acceptance import (
+    AcceptanceRule,
+    DistanceAcceptance,
+    ExactAcceptance,
+    GADPlusPlusAcceptance,
+    MinimumBlockAcceptance,
+    TopKAcceptance,
+    accepted_lengths,
+)
 from .config import BlockwiseConfig
 from .decoding import DecodingStats, blockwise_generate
 from .diagnostics import Divergence, first_divergence
 from .drafters import Drafter, DraftRequest, Drafts, HeadsDrafter, NoDrafter
+from .evaluation import Comparison, compare_to_greedy
 from .heads import BlockwiseHeads
+from .input_copy import InputCopyDrafter
 from .modeling import BlockwiseHeadsModel, BlockwiseHeadsOutput
+from .shortlist import frequent_tokens
 
 __version__ = "0.1.0"
 
@@ -16,15 +27,23 @@ __all__ = [
     "BlockwiseHeads",
     "BlockwiseHeadsModel",
     "BlockwiseHeadsOutput",
+    "Comparison",
     "DecodingStats",
+    "DistanceAcceptance",
     "Divergence",
     "DraftRequest",
     "Drafter",
     "Drafts",
     "ExactAcceptance",
+    "GADPlusPlusAcceptance",
     "HeadsDrafter",
+    "InputCopyDrafter",
+    "MinimumBlockAcceptance",
     "NoDrafter",
+    "TopKAcceptance",
     "accepted_lengths",
     "blockwise_generate",
+    "compare_to_greedy",
     "first_divergence",
+    "frequent_tokens",
 ]

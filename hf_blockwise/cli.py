@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -85,6 +86,90 @@ def run_demo(
     return 0 if identical == len(sentences) else 1
 
 
+def load_for_bench(model_path: str, assistant_path: str | None, max_new_tokens: int):
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from .bench import BenchSetup
+    from .config import CONFIG_NAME
+    from .modeling import BlockwiseHeadsModel
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    heads_model = None
+    if os.path.isfile(os.path.join(model_path, CONFIG_NAME)):
+        heads_model = BlockwiseHeadsModel.from_pretrained(model_path, dtype=torch.float32).eval()
+        base = heads_model.base_model
+    else:
+        base = AutoModelForSeq2SeqLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    assistant = None
+    if assistant_path is not None:
+        assistant = AutoModelForSeq2SeqLM.from_pretrained(assistant_path, dtype=torch.float32).eval()
+    return BenchSetup(
+        base=base, tokenizer=tokenizer, heads_model=heads_model, assistant_model=assistant,
+        max_new_tokens=max_new_tokens,
+    )  # fmt: skip
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as transformers_logging
+
+    from .bench import MODE_NAMES, read_lines, run_bench, speedup_ceiling, write_report
+
+    transformers_logging.set_verbosity_error()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        args.sentences = min(args.sentences or 16, 16)
+    if args.source_file:
+        sources = read_lines(args.source_file)
+        references = read_lines(args.reference_file) if args.reference_file else None
+    else:
+        sources, references = list(DEMO_SENTENCES), None
+    if references is not None and len(references) != len(sources):
+        raise SystemExit(f"{len(sources)} source lines but {len(references)} reference lines")
+    if args.sentences:
+        sources = sources[: args.sentences]
+        references = references[: args.sentences] if references is not None else None
+    setup = load_for_bench(args.model, args.assistant_model, args.max_new_tokens)
+    curve = write_cost_curve(setup, sources[0], args.out) if args.cost_curve else None
+    modes = args.modes or list(MODE_NAMES)
+    results = run_bench(setup, sources, references, modes, args.batch_sizes)
+    if curve is not None and setup.heads_model is not None:
+        block_size = setup.heads_model.blockwise_config.block_size
+        for result in results:
+            if result.mode.startswith("heads") and result.batch_size == 1:
+                result.speedup_ceiling = speedup_ceiling(curve, result.summary()["mean_accepted"], block_size)
+    settings = {
+        "model": args.model,
+        "source_file": args.source_file,
+        "sentences": len(sources),
+        "threads": torch.get_num_threads(),
+        "batch_sizes": args.batch_sizes,
+        "max_new_tokens": args.max_new_tokens,
+        "device": str(next(setup.base.parameters()).device),
+    }
+    header = (
+        f"# hf-blockwise bench: {os.path.basename(os.path.normpath(args.model))}, {len(sources)} sentences, "
+        f"{settings['threads']} threads, {settings['device']}"
+    )
+    write_report(results, args.out, header, settings)
+    with open(os.path.join(args.out, "bench.md"), encoding="utf-8") as report:
+        print(report.read())
+    return 0
+
+
+def write_cost_curve(setup, sentence: str, out_dir: str) -> list[tuple[int, float]]:
+    from .bench import decoder_cost_curve, plot_cost_curve
+    from .serialization import atomic_write_text
+
+    curve = decoder_cost_curve(setup.base, setup.tokenizer, sentence)
+    os.makedirs(out_dir, exist_ok=True)
+    report = {"sentence": sentence, "threads": torch.get_num_threads(), "ms_per_call": {n: 1000 * t for n, t in curve}}
+    atomic_write_text(os.path.join(out_dir, "cost_curve.json"), json.dumps(report, indent=2) + "\n")
+    plot_cost_curve(curve, os.path.join(out_dir, "cost_curve.png"))
+    print("decoder cost curve (ms per call by tokens fed): " + ", ".join(f"{n}: {1000 * t:.2f}" for n, t in curve[:8]))
+    return curve
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-blockwise", description="Exact blockwise parallel decoding.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -94,7 +179,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--max-new-tokens", type=int, default=128)
     demo.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     demo.add_argument("sentences", nargs="*", help="English sentences to translate (default: built-in examples)")
+    bench = commands.add_parser("bench", help="every decoding mode side by side, measured against greedy")
+    bench.add_argument("--model", default=SHIPPED_MODEL, help="seq2seq model directory, with or without heads")
+    bench.add_argument("--assistant-model", default=None, help="small model for transformers' assisted generation")
+    bench.add_argument("--source-file", default=None, help="one source per line (.gz allowed); default: demo")
+    bench.add_argument("--reference-file", default=None, help="references for BLEU, line by line")
+    bench.add_argument("--sentences", type=int, default=None, help="use the first N sources")
+    bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    bench.add_argument("--modes", nargs="+", default=None, help="default: every mode the model supports")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 = Devlin's words/s)")
+    bench.add_argument("--out", default="bench", help="directory for bench.json, bench.md, bench.png")
+    bench.add_argument("--quick", action="store_true", help="at most 16 sentences: a run of about a minute")
+    bench.add_argument("--cost-curve", action="store_true", help="also time one decoder call for 1..32 tokens")
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        return run_bench_command(args)
     if args.command == "demo":
         return run_demo(args.model, args.sentences or DEMO_SENTENCES, args.repeats, args.threads, args.max_new_tokens)
     return 2

@@ -33,6 +33,10 @@ class BlockwiseConfig:
             Width of the decoder states fed to the output projection; checked when heads are attached.
         vocab_size (`int`, *optional*):
             Number of rows of the base's output projection; checked when heads are attached.
+        shortlist_size (`int`, *optional*):
+            When set, the heads propose only among this many token ids (stored with the head weights, see
+            [`BlockwiseHeadsModel.set_shortlist`]): drafting projects onto the shortlist instead of the whole
+            vocabulary (Devlin 2017). Verification keeps the full vocabulary, so the output does not change.
     """
 
     block_size: int = 4
@@ -41,13 +45,14 @@ class BlockwiseConfig:
     base_model_type: str | None = None
     hidden_size: int | None = None
     vocab_size: int | None = None
+    shortlist_size: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 2:
             raise ValueError(
                 f"block_size must be an int >= 2 (k tokens per step, k - 1 heads), got {self.block_size!r}"
             )
-        for name in ("head_hidden_size", "hidden_size", "vocab_size"):
+        for name in ("head_hidden_size", "hidden_size", "vocab_size", "shortlist_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")

@@ -124,7 +124,8 @@ def build_feed(
 
 def process_scores(
     logits_processor: LogitsProcessorList,
-    context: torch.Tensor,
+    cached_tokens: torch.Tensor,
+    fed_tokens: torch.Tensor,
     logits: torch.Tensor,
     first_column: int,
 ) -> torch.Tensor:
@@ -134,7 +135,8 @@ def process_scores(
     processor call per column serves the whole batch, exactly as in greedy decoding.
 
     Args:
-        context (`torch.LongTensor` of shape `(batch_size, cache_length + width)`): cached tokens + feed.
+        cached_tokens (`torch.LongTensor` of shape `(batch_size, cache_length)`): tokens already in the cache.
+        fed_tokens (`torch.LongTensor` of shape `(batch_size, width)`): this step's feed.
         logits (`torch.FloatTensor` of shape `(batch_size, width, vocab_size)`).
         first_column (`int`): columns before it decide nothing in any row and are left as they are.
 
@@ -143,8 +145,9 @@ def process_scores(
     """
     if len(logits_processor) == 0:
         return logits
+    context = torch.cat([cached_tokens, fed_tokens], dim=1)  # (B, cache_length + W)
     width = logits.shape[1]
-    prefix_length = context.shape[1] - width
+    prefix_length = cached_tokens.shape[1]
     scores = logits.clone()
     for column in range(first_column, width):
         scores[:, column] = logits_processor(context[:, : prefix_length + column + 1], logits[:, column])
@@ -188,6 +191,25 @@ def accept(
     new_tokens = torch.where(feed.deciding[:, None], new_tokens, filler_token_id)
     num_new = (num_accepted + 1) * feed.deciding
     return new_tokens, num_new, num_accepted
+
+
+def boundary_states(
+    states: torch.Tensor, feed: StepFeed, num_accepted: torch.Tensor, previous: torch.Tensor | None
+) -> torch.Tensor:
+    """The decoder state that predicted each deciding row's last new token; other rows keep `previous`.
+
+    Args:
+        states (`torch.Tensor` of shape `(batch_size, width, hidden_size)`): this step's states at the output
+            projection.
+        num_accepted (`torch.LongTensor` of shape `(batch_size,)`).
+
+    Returns:
+        `torch.Tensor` of shape `(batch_size, hidden_size)`.
+    """
+    column = (feed.num_pending - 1 + num_accepted).clamp(0, states.shape[1] - 1)  # (B,)
+    step_states = states[torch.arange(states.shape[0], device=states.device), column]  # (B, d)
+    previous = torch.zeros_like(step_states) if previous is None else previous
+    return torch.where(feed.deciding[:, None], step_states, previous)
 
 
 def truncate_at_stops(
@@ -357,57 +379,47 @@ def blockwise_generate(
     last_states: torch.Tensor | None = None
     accepted_per_step: list[torch.Tensor] = []
 
-    while bool(active.any()):
-        request = DraftRequest(
-            sequences=sequences,
-            lengths=lengths,
-            max_drafts=((block_size - (lengths - cache_length)).clamp(min=0)) * active,
-            last_states=last_states,
-            encoder_input_ids=inputs_tensor,
-            encoder_attention_mask=model_kwargs.get("attention_mask"),
-        )
-        drafts = drafter.get_candidates(request)
-        check_drafts(drafts, batch_size)
-        feed = build_feed(
-            sequences,
-            lengths,
-            cache_length,
-            limit_drafts(drafts, request.max_drafts),
-            active,
-            pad_token_id,
-            filler,
-        )
+    # one hook for the whole loop: it records the decoder states that the heads of the next step read
+    with hf.capture_output_projection_input(model) as captured:
+        while bool(active.any()):
+            request = DraftRequest(
+                sequences=sequences,
+                lengths=lengths,
+                max_drafts=((block_size - (lengths - cache_length)).clamp(min=0)) * active,
+                last_states=last_states,
+                encoder_input_ids=inputs_tensor,
+                encoder_attention_mask=model_kwargs.get("attention_mask"),
+            )
+            drafts = drafter.get_candidates(request)
+            check_drafts(drafts, batch_size)
+            feed = build_feed(
+                sequences, lengths, cache_length, limit_drafts(drafts, request.max_drafts), active, pad_token_id, filler
+            )
 
-        with hf.capture_output_projection_input(model) as captured:
+            captured.clear()
             outputs = model(
                 decoder_input_ids=feed.tokens, past_key_values=cache, use_cache=True, return_dict=True,
                 **forward_kwargs,
             )  # fmt: skip
-        logits = outputs.logits.to(dtype=torch.float32)  # (B, W, V)
-        context = torch.cat([sequences[:, :cache_length], feed.tokens], dim=1)
-        first_column = int((feed.num_pending[active] - 1).clamp(min=0).min())
-        scores = process_scores(logits_processor, context, logits, first_column)
+            logits = outputs.logits.to(dtype=torch.float32)  # (B, W, V)
+            first_column = int((feed.num_pending[active] - 1).clamp(min=0).min())
+            scores = process_scores(logits_processor, sequences[:, :cache_length], feed.tokens, logits, first_column)
 
-        new_tokens, num_new, num_accepted = accept(scores, feed, rule, filler)
-        drafter.update_candidate_strategy(request, num_accepted)
-        num_new, stopped = truncate_at_stops(sequences, lengths, new_tokens, num_new, rules, filler)
-        append_tokens(sequences, lengths, new_tokens, num_new, filler)
-        if streamer is not None and int(num_new[0]) > 0:
-            streamer.put(new_tokens[0, : int(num_new[0])].cpu())
+            new_tokens, num_new, num_accepted = accept(scores, feed, rule, filler)
+            drafter.update_candidate_strategy(request, num_accepted)
+            num_new, stopped = truncate_at_stops(sequences, lengths, new_tokens, num_new, rules, filler)
+            append_tokens(sequences, lengths, new_tokens, num_new, filler)
+            if streamer is not None and int(num_new[0]) > 0:
+                streamer.put(new_tokens[0, : int(num_new[0])].cpu())
 
-        states = captured[-1]  # (B, W, d)
-        boundary = (feed.num_pending - 1 + num_accepted).clamp(min=0)  # column that predicted each last token
-        step_states = states[torch.arange(batch_size, device=device), boundary.clamp(max=states.shape[1] - 1)]
-        last_states = torch.zeros_like(step_states) if last_states is None else last_states
-        last_states = torch.where(feed.deciding[:, None], step_states, last_states)
-
-        cached_valid = cache_length + feed.num_pending_fed + num_accepted  # (B,)
-        lengths = lengths + num_new
-        active = active & ~stopped
-        accepted_per_step.append(num_new)
-        if bool(active.any()):
-            cache_length = int(cached_valid[active].min())
-            hf.crop_cache(cache, cache_length)
+            last_states = boundary_states(captured[-1], feed, num_accepted, last_states)
+            cached_valid = cache_length + feed.num_pending_fed + num_accepted  # (B,)
+            lengths = lengths + num_new
+            active = active & ~stopped
+            accepted_per_step.append(num_new)
+            if bool(active.any()):
+                cache_length = int(cached_valid[active].min())
+                hf.crop_cache(cache, cache_length)
 
     if streamer is not None:
         streamer.end()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .heads import output_projection_logits
+from .heads import output_projection_logits, shortlist_projection
 
 if TYPE_CHECKING:
     from .modeling import BlockwiseHeadsModel
@@ -101,17 +101,35 @@ class HeadsDrafter(Drafter):
     The heads read the decoder state that predicted each row's last token, a by-product of the previous
     verification pass, so drafting costs no extra decoder call. Before the first pass there is no state,
     and the first step drafts nothing.
+
+    Args:
+        model ([`BlockwiseHeadsModel`]): the model whose heads draft.
+        block_size (`int`, *optional*): use only the first `block_size - 1` heads (2 <= block_size <= the
+            model's block size). Fewer heads cost less per step when long blocks are rarely accepted.
     """
 
-    def __init__(self, model: BlockwiseHeadsModel) -> None:
+    def __init__(self, model: BlockwiseHeadsModel, block_size: int | None = None) -> None:
+        trained = model.blockwise_config.block_size
+        block_size = trained if block_size is None else block_size
+        if not 2 <= block_size <= trained:
+            raise ValueError(f"block_size must be between 2 and the model's block size {trained}, got {block_size}")
         self.model = model
-        self.block_size = model.blockwise_config.block_size
+        self.block_size = block_size
+        shortlist = model.heads.shortlist
+        # derived once per generate call: slicing the projection every step would cost as much as using it
+        self._shortlist_projection = None if shortlist is None else shortlist_projection(model.base_model, shortlist)
 
     def get_candidates(self, request: DraftRequest) -> Drafts:
         batch_size = request.lengths.shape[0]
         if request.last_states is None:
             return Drafts.empty(batch_size, request.lengths.device)
-        head_states = self.model.heads(request.last_states.to(self.model.heads.up.weight.dtype))  # (B, k-1, d)
-        tokens = output_projection_logits(self.model.base_model, head_states).argmax(dim=-1)  # (B, k-1)
+        states = request.last_states.to(self.model.heads.up.weight.dtype)
+        head_states = self.model.heads(states, num_heads=self.block_size - 1)  # (B, k-1, d)
+        if self._shortlist_projection is None:
+            tokens = output_projection_logits(self.model.base_model, head_states).argmax(dim=-1)  # (B, k-1)
+        else:
+            weight, bias = self._shortlist_projection
+            best = torch.nn.functional.linear(head_states.to(weight.dtype), weight, bias).argmax(dim=-1)  # (B, k-1)
+            tokens = self.model.heads.shortlist[best]
         lengths = torch.full((batch_size,), tokens.shape[1], dtype=torch.long, device=tokens.device)
         return Drafts(tokens=tokens, lengths=lengths)

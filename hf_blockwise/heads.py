@@ -18,9 +18,10 @@ class BlockwiseHeads(nn.Module):
         hidden_size (`int`): width d of the decoder states fed to the output projection.
         head_hidden_size (`int`): hidden width of one head.
         num_heads (`int`): k − 1.
+        shortlist_size (`int`, *optional*): size of the `shortlist` buffer of token ids the heads propose from.
     """
 
-    def __init__(self, hidden_size: int, head_hidden_size: int, num_heads: int) -> None:
+    def __init__(self, hidden_size: int, head_hidden_size: int, num_heads: int, shortlist_size: int | None = None):
         super().__init__()
         self.hidden_size = hidden_size
         self.num_heads = num_heads
@@ -28,17 +29,43 @@ class BlockwiseHeads(nn.Module):
         self.down = nn.Linear(num_heads * head_hidden_size, num_heads * hidden_size)
         nn.init.zeros_(self.down.weight)
         nn.init.zeros_(self.down.bias)
+        # a `None` buffer is left out of the state dict, so heads without a shortlist save no such entry
+        shortlist = None if shortlist_size is None else torch.zeros(shortlist_size, dtype=torch.long)
+        self.shortlist: torch.Tensor | None
+        self.register_buffer("shortlist", shortlist)
 
-    def forward(self, states: torch.Tensor) -> torch.Tensor:
+    def forward(self, states: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """
         Args:
             states (`torch.Tensor` of shape `(..., hidden_size)`): decoder states at the output projection.
+            num_heads (`int`, *optional*): evaluate only the first `num_heads` heads. The shared hidden layer
+                is computed in full, but only their rows of the output layer are, which is most of the cost.
 
         Returns:
             `torch.Tensor` of shape `(..., num_heads, hidden_size)`: one state per head.
         """
-        updates = self.down(torch.relu(self.up(states)))  # (..., num_heads * hidden_size)
-        return states.unsqueeze(-2) + updates.unflatten(-1, (self.num_heads, self.hidden_size))
+        num_heads = self.num_heads if num_heads is None else num_heads
+        rows = num_heads * self.hidden_size
+        hidden = torch.relu(self.up(states))  # (..., K * head_hidden)
+        updates = nn.functional.linear(hidden, self.down.weight[:rows], self.down.bias[:rows])  # (..., n * d)
+        return states.unsqueeze(-2) + updates.unflatten(-1, (num_heads, self.hidden_size))
+
+
+def shortlist_projection(base_model: nn.Module, shortlist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows of the base's output projection (and its biases) for the token ids in `shortlist`.
+
+    Returns:
+        weight (`torch.Tensor` of shape `(shortlist_size, hidden_size)`) and bias (`torch.Tensor` of shape
+        `(shortlist_size,)`, or `None` when the base adds none).
+    """
+    projection = base_model.get_output_embeddings()
+    weight = projection.weight[shortlist]
+    bias = None if getattr(projection, "bias", None) is None else projection.bias[shortlist]
+    final_logits_bias = getattr(base_model, "final_logits_bias", None)
+    if final_logits_bias is not None:
+        extra = final_logits_bias.reshape(-1)[shortlist].to(weight.dtype)
+        bias = extra if bias is None else bias + extra
+    return weight, bias
 
 
 def output_projection_logits(base_model: nn.Module, states: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +24,9 @@ from .heads import BlockwiseHeads, output_projection_logits
 from .serialization import atomic_write
 
 WEIGHTS_NAME = "blockwise_heads.safetensors"
+# PEFT's own file names: a LoRA adapter on the base is stored beside the heads exactly as PEFT stores it.
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 
 # `generate(assistant=...)` default: draft with this model's own heads. `assistant=None` means plain greedy.
 _OWN_HEADS = object()
@@ -35,14 +40,17 @@ class BlockwiseHeadsOutput(ModelOutput):
         loss (`torch.FloatTensor` of shape `()`, *optional*): mean cross-entropy of the heads, with `labels`.
         base_loss (`torch.FloatTensor` of shape `()`, *optional*): the base model's own loss, with `labels`.
         head_losses (`torch.FloatTensor` of shape `(num_heads,)`, *optional*): cross-entropy of each head.
+        head_accuracies (`torch.FloatTensor` of shape `(num_heads,)`, *optional*): top-1 accuracy of each head.
         logits (`torch.FloatTensor` of shape `(batch_size, target_length, vocab_size)`): the base model's p1.
-        head_logits (`torch.FloatTensor` of shape `(batch_size, target_length, num_heads, vocab_size)`):
-            head i at position t predicts the target token at position t + i + 1.
+        head_logits (`torch.FloatTensor` of shape `(batch_size, target_length, num_heads, vocab_size)`,
+            *optional*): head i at position t predicts the target token at position t + i + 1. Computed only
+            without `labels`: with them, each head is projected at its labelled positions only.
     """
 
     loss: torch.Tensor | None = None
     base_loss: torch.Tensor | None = None
     head_losses: torch.Tensor | None = None
+    head_accuracies: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     head_logits: torch.Tensor | None = None
 
@@ -128,7 +136,10 @@ class BlockwiseHeadsModel(nn.Module):
         self.base_model = base_model
         projection = base_model.get_output_embeddings().weight
         self.heads = BlockwiseHeads(
-            signature["hidden_size"], self.blockwise_config.head_hidden_size, self.blockwise_config.num_heads
+            signature["hidden_size"],
+            self.blockwise_config.head_hidden_size,
+            self.blockwise_config.num_heads,
+            self.blockwise_config.shortlist_size,
         )
         self.heads.to(device=projection.device, dtype=projection.dtype)
 
@@ -145,9 +156,32 @@ class BlockwiseHeadsModel(nn.Module):
     def generation_config(self):
         return self.base_model.generation_config
 
-    def drafter(self) -> Drafter:
-        """The [`HeadsDrafter`] that proposes tokens with this model's heads."""
-        return HeadsDrafter(self)
+    def drafter(self, block_size: int | None = None) -> Drafter:
+        """The [`HeadsDrafter`] that proposes tokens with this model's heads (the first `block_size - 1`)."""
+        return HeadsDrafter(self, block_size)
+
+    def set_shortlist(self, token_ids: Sequence[int] | torch.Tensor | None) -> None:
+        """Restricts the heads' proposals to `token_ids` (e.g. [`frequent_tokens`] of the training targets).
+
+        Drafting then projects the head states onto these rows of the output projection only, which is most of
+        a drafting step's cost on a large vocabulary. Verification still uses the whole vocabulary, so exact
+        decoding stays exact; only proposals of tokens outside the shortlist are lost. `None` removes it.
+        The shortlist is saved with the heads.
+        """
+        if token_ids is None:
+            self.heads.shortlist = None
+            self.blockwise_config = dataclasses.replace(self.blockwise_config, shortlist_size=None)
+            return
+        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+        vocab_size = self.blockwise_config.vocab_size
+        if ids.numel() == 0:
+            raise ValueError("A shortlist needs at least one token id")
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+            raise ValueError(f"Shortlist ids must lie in [0, {vocab_size}) (the base's vocabulary)")
+        if ids.unique().numel() != ids.numel():
+            raise ValueError("Shortlist ids must be unique")
+        self.heads.register_buffer("shortlist", ids.to(self.heads.up.weight.device))
+        self.blockwise_config = dataclasses.replace(self.blockwise_config, shortlist_size=int(ids.numel()))
 
     def forward(
         self,
@@ -172,17 +206,17 @@ class BlockwiseHeadsModel(nn.Module):
                 return_dict=True,
                 **kwargs,
             )
-        head_logits = output_projection_logits(self.base_model, self.heads(captured[-1]))  # (B, T, k-1, V)
-        loss = head_losses = None
-        if labels is not None:
-            head_losses = heads_cross_entropy(head_logits, labels)
-            loss = head_losses.mean()
+        head_states = self.heads(captured[-1])  # (B, T, k-1, d)
+        if labels is None:
+            head_logits = output_projection_logits(self.base_model, head_states)  # (B, T, k-1, V)
+            return BlockwiseHeadsOutput(logits=outputs.logits, head_logits=head_logits)
+        head_losses, head_accuracies = heads_cross_entropy(self.base_model, head_states, labels)
         return BlockwiseHeadsOutput(
-            loss=loss,
+            loss=head_losses.mean(),
             base_loss=outputs.loss,
             head_losses=head_losses,
+            head_accuracies=head_accuracies,
             logits=outputs.logits,
-            head_logits=head_logits,
         )
 
     @torch.no_grad()
@@ -208,6 +242,9 @@ class BlockwiseHeadsModel(nn.Module):
     ) -> None:
         """Writes `blockwise_config.json` and `blockwise_heads.safetensors` (head weights only), atomically.
 
+        When the base carries a PEFT adapter (LoRA training), the adapter is written beside the heads in PEFT's
+        format (`adapter_config.json`, `adapter_model.safetensors`) and the config names the underlying base.
+
         Args:
             save_directory: where to write.
             base_model_name_or_path (`str`, *optional*): base to record instead of the current one, e.g. `"."`
@@ -216,15 +253,18 @@ class BlockwiseHeadsModel(nn.Module):
         """
         os.makedirs(save_directory, exist_ok=True)
         tensors = {
-            name: tensor.detach().to(dtype or tensor.dtype).contiguous().cpu()
+            name: tensor.detach().to(dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype)
             for name, tensor in self.heads.state_dict().items()
         }
+        tensors = {name: tensor.contiguous().cpu() for name, tensor in tensors.items()}
         block_size = str(self.blockwise_config.block_size)
         atomic_write(
             os.path.join(save_directory, WEIGHTS_NAME),
             lambda path: save_file(tensors, path, metadata={"format": "pt", "block_size": block_size}),
         )
         config = self.blockwise_config
+        if _is_peft_model(self.base_model):
+            _save_adapter_atomically(self.base_model, save_directory)
         if base_model_name_or_path is not None:
             config = dataclasses.replace(config, base_model_name_or_path=base_model_name_or_path)
         config.save_pretrained(save_directory)
@@ -242,7 +282,9 @@ class BlockwiseHeadsModel(nn.Module):
             heads_name_or_path: local directory or hub repository holding the heads.
             base_model: the base to attach them to; by default the checkpoint named in the heads' config is
                 loaded with `AutoModelForSeq2SeqLM.from_pretrained(name, **base_model_kwargs)`; a relative
-                name is first looked up inside the heads directory.
+                name is first looked up inside the heads directory. A PEFT adapter saved beside the heads
+                (LoRA training) is loaded onto it and merged, so decoding is exact with respect to the merged
+                model.
         """
         config = BlockwiseConfig.from_json_file(_resolve(heads_name_or_path, CONFIG_NAME))
         if base_model is None:
@@ -254,33 +296,44 @@ class BlockwiseHeadsModel(nn.Module):
             base_model = AutoModelForSeq2SeqLM.from_pretrained(
                 _base_location(heads_name_or_path, config.base_model_name_or_path), **base_model_kwargs
             )
+        if _has_file(heads_name_or_path, ADAPTER_CONFIG_NAME):
+            from peft import PeftModel
+
+            base_model = PeftModel.from_pretrained(base_model, str(heads_name_or_path)).merge_and_unload()
         model = cls(base_model, config)
         model.heads.load_state_dict(_load_head_weights(_resolve(heads_name_or_path, WEIGHTS_NAME), model.heads))
         return model
 
 
-def aligned_head_targets(head_logits: torch.Tensor, labels: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Pairs each head's logits with the labels it predicts: head i at position t predicts label t + i + 1.
+def heads_cross_entropy(
+    base_model: nn.Module, head_states: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy and top-1 accuracy of each head against the labels it predicts (Stern §6).
+
+    Head i at position t predicts label t + i + 1. Each head is projected onto the vocabulary only at the
+    positions whose label exists: the (tokens x vocabulary) logits dominate training memory, and padding and
+    the last i + 1 positions of every row would otherwise be projected for nothing.
 
     Args:
-        head_logits (`torch.FloatTensor` of shape `(batch_size, target_length, num_heads, vocab_size)`).
+        head_states (`torch.FloatTensor` of shape `(batch_size, target_length, num_heads, hidden_size)`).
         labels (`torch.LongTensor` of shape `(batch_size, target_length)`), -100 where ignored.
 
     Returns:
-        For head i: logits of shape `(batch_size, target_length - i - 1, vocab_size)` and labels of shape
-        `(batch_size, target_length - i - 1)`.
+        losses, accuracies: `torch.FloatTensor`s of shape `(num_heads,)`; accuracies carry no gradient.
     """
     length = labels.shape[1]
-    return [(head_logits[:, : length - head - 1, head], labels[:, head + 1 :]) for head in range(head_logits.shape[2])]
-
-
-def heads_cross_entropy(head_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of each head against the labels it predicts, shape `(num_heads,)`."""
-    losses = [
-        nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
-        for logits, targets in aligned_head_targets(head_logits, labels)
-    ]
-    return torch.stack(losses)
+    losses, accuracies = [], []
+    for head in range(head_states.shape[2]):
+        targets = labels[:, head + 1 :]  # (B, T-i-1)
+        valid = targets != -100
+        if not bool(valid.any()):  # targets too short for this head: no signal, but keep the graph connected
+            losses.append(head_states.sum() * 0.0)
+            accuracies.append(torch.zeros((), device=labels.device))
+            continue
+        logits = output_projection_logits(base_model, head_states[:, : length - head - 1, head][valid])  # (N, V)
+        losses.append(nn.functional.cross_entropy(logits.float(), targets[valid]))
+        accuracies.append((logits.detach().argmax(dim=-1) == targets[valid]).float().mean())
+    return torch.stack(losses), torch.stack(accuracies)
 
 
 def _base_location(heads_name_or_path: str | os.PathLike, base_name_or_path: str) -> str:
@@ -290,6 +343,26 @@ def _base_location(heads_name_or_path: str | os.PathLike, base_name_or_path: str
     if not os.path.isabs(base_name_or_path) and os.path.isfile(os.path.join(beside_heads, "config.json")):
         return beside_heads
     return base_name_or_path
+
+
+def _is_peft_model(model: nn.Module) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def _save_adapter_atomically(peft_model: nn.Module, save_directory: str | os.PathLike) -> None:
+    """PEFT writes its files in place; write them to a scratch directory and move each one in whole."""
+    with tempfile.TemporaryDirectory(dir=save_directory, prefix=".adapter-") as scratch:
+        peft_model.save_pretrained(scratch)
+        for name in os.listdir(scratch):
+            os.replace(os.path.join(scratch, name), os.path.join(save_directory, name))
+
+
+def _has_file(name_or_path: str | os.PathLike, filename: str) -> bool:
+    if os.path.isdir(name_or_path):
+        return os.path.isfile(os.path.join(name_or_path, filename))
+    return cached_file(str(name_or_path), filename, _raise_exceptions_for_missing_entries=False) is not None
 
 
 def _check_batch_not_empty(args: tuple, kwargs: dict[str, Any]) -> None:

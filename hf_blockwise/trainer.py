@@ -17,7 +17,7 @@ from transformers import AutoModelForSeq2SeqLM, Seq2SeqTrainer
 from transformers.trainer import TRAINING_ARGS_NAME
 
 from .config import CONFIG_NAME
-from .modeling import WEIGHTS_NAME, BlockwiseHeadsModel, aligned_head_targets
+from .modeling import ADAPTER_WEIGHTS_NAME, WEIGHTS_NAME, BlockwiseHeadsModel
 from .trainer_config import BlockwiseTrainingArguments
 
 # In a checkpoint written while the base is trained, the base sits beside the heads.
@@ -44,14 +44,18 @@ class Seq2SeqPadCollator:
         return batch
 
 
-def head_accuracies(head_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Top-1 accuracy of each head on the labels it predicts (see `aligned_head_targets`), shape `(num_heads,)`."""
-    accuracies = []
-    for logits, targets in aligned_head_targets(head_logits, labels):
-        valid = targets != -100
-        correct = (logits.argmax(dim=-1) == targets) & valid
-        accuracies.append(correct.sum().float() / valid.sum().clamp(min=1))
-    return torch.stack(accuracies)
+def _with_lora(base_model: nn.Module, args: BlockwiseTrainingArguments) -> nn.Module:
+    """Wraps the (frozen) base in a PEFT LoRA model whose adapters alone are trainable."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    config = LoraConfig(
+        task_type=TaskType.SEQ_2_SEQ_LM,
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=args.lora_target_modules,
+    )
+    return get_peft_model(base_model, config)
 
 
 class BlockwiseTrainer(Seq2SeqTrainer):
@@ -60,7 +64,8 @@ class BlockwiseTrainer(Seq2SeqTrainer):
     - `head_loss="mean"` or `"sampled"` (one head per minibatch); per-head loss and top-1 accuracy are logged
       as `head_{i}_loss` / `head_{i}_accuracy` (head i predicts i + 1 tokens ahead of p1's token).
     - `base_training="frozen"` (default) trains only the heads, and checkpoints hold only the heads;
-      `"full"` fine-tunes the base too and checkpoints hold the base beside the heads.
+      `"full"` fine-tunes the base too and checkpoints hold the base beside the heads; `"lora"` wraps the base
+      in a PEFT LoRA model (`model.base_model` becomes a `PeftModel`) and checkpoints hold heads + adapter.
     - `evaluate` also decodes the evaluation set blockwise and reports `mean_accepted` and, given a tokenizer
       as `processing_class`, sacreBLEU against the labels.
     """
@@ -71,6 +76,8 @@ class BlockwiseTrainer(Seq2SeqTrainer):
         if not isinstance(args, BlockwiseTrainingArguments):
             raise TypeError(f"BlockwiseTrainer takes BlockwiseTrainingArguments, got {type(args).__name__}")
         model.base_model.requires_grad_(args.base_training == "full")
+        if args.base_training == "lora":
+            model.base_model = _with_lora(model.base_model, args)
         model.heads.requires_grad_(True)
         if "data_collator" not in kwargs or kwargs["data_collator"] is None:
             kwargs["data_collator"] = Seq2SeqPadCollator(model.base_model.config.pad_token_id)
@@ -94,16 +101,16 @@ class BlockwiseTrainer(Seq2SeqTrainer):
             loss = head_losses[self._head_rng.randrange(head_losses.shape[0])]
         else:
             loss = head_losses.mean()
-        if self.args.base_training == "full":
+        if self.args.base_training != "frozen":
             loss = loss + self.args.base_loss_weight * outputs.base_loss
-        self._record(outputs, inputs["labels"], "train" if model.training else "eval")
+        self._record(outputs, "train" if model.training else "eval")
         return (loss, outputs) if return_outputs else loss
 
     @torch.no_grad()
-    def _record(self, outputs: Any, labels: torch.Tensor, split: str) -> None:
+    def _record(self, outputs: Any, split: str) -> None:
         metrics = self._logged_metrics[split]
         for head, (loss, accuracy) in enumerate(
-            zip(outputs.head_losses.tolist(), head_accuracies(outputs.head_logits, labels).tolist(), strict=True)
+            zip(outputs.head_losses.tolist(), outputs.head_accuracies.tolist(), strict=True)
         ):
             metrics[f"head_{head + 1}_loss"].append(loss)
             metrics[f"head_{head + 1}_accuracy"].append(accuracy)
@@ -180,6 +187,11 @@ class BlockwiseTrainer(Seq2SeqTrainer):
         if not os.path.isfile(os.path.join(resume_from_checkpoint, CONFIG_NAME)):
             raise ValueError(f"{resume_from_checkpoint} is not a BlockwiseTrainer checkpoint (no {CONFIG_NAME})")
         model.heads.load_state_dict(load_file(os.path.join(resume_from_checkpoint, WEIGHTS_NAME)))
+        if self.args.base_training == "lora":
+            from peft import set_peft_model_state_dict
+
+            adapter = load_file(os.path.join(resume_from_checkpoint, ADAPTER_WEIGHTS_NAME))
+            set_peft_model_state_dict(model.base_model, adapter)
         if self.args.base_training == "full":
             trained_base = AutoModelForSeq2SeqLM.from_pretrained(resume_from_checkpoint)
             model.base_model.load_state_dict(trained_base.state_dict())

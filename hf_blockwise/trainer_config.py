@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from transformers import Seq2SeqTrainingArguments
 
 HEAD_LOSSES = ("mean", "sampled")
-BASE_TRAINING = ("frozen", "full")
+BASE_TRAINING = ("frozen", "full", "lora")
 
 
 @dataclass
@@ -20,7 +20,13 @@ class BlockwiseTrainingArguments(Seq2SeqTrainingArguments):
         base_training (`str`, defaults to `"frozen"`): `"frozen"` trains the heads only and keeps decoding
             lossless; `"full"` fine-tunes the base with them (Stern's "fine-tuned" setting): the base's own
             loss joins the objective and p1 changes with training.
+            `"lora"` trains LoRA adapters on the base through `peft` instead (saved beside the heads in PEFT's
+            format and merged on loading).
         base_loss_weight (`float`, defaults to 1.0): weight of the base's loss when it is trained.
+        lora_r (`int`, defaults to 8), lora_alpha (`int`, defaults to 16), lora_dropout (`float`, defaults to 0.0):
+            the LoRA adapter's rank, scale and dropout.
+        lora_target_modules (`list[str]`, *optional*): module names to adapt; by default PEFT's choice for the
+            architecture (PEFT raises if it has none, e.g. for Marian: pass `["q_proj", "v_proj"]`).
         eval_max_new_tokens (`int`, defaults to 128): length limit of the blockwise decoding run at evaluation.
         eval_decoding_batch_size (`int`, defaults to 32): batch size of that run.
         eval_decoding_samples (`int`, *optional*): decode only the first N evaluation examples.
@@ -29,6 +35,10 @@ class BlockwiseTrainingArguments(Seq2SeqTrainingArguments):
     head_loss: str = field(default="mean", metadata={"help": f"one of {HEAD_LOSSES}"})
     base_training: str = field(default="frozen", metadata={"help": f"one of {BASE_TRAINING}"})
     base_loss_weight: float = field(default=1.0)
+    lora_r: int = field(default=8)
+    lora_alpha: int = field(default=16)
+    lora_dropout: float = field(default=0.0)
+    lora_target_modules: list[str] | None = field(default=None)
     eval_max_new_tokens: int = field(default=128)
     eval_decoding_batch_size: int = field(default=32)
     eval_decoding_samples: int | None = field(default=None)
@@ -38,6 +48,10 @@ class BlockwiseTrainingArguments(Seq2SeqTrainingArguments):
             raise ValueError(f"head_loss must be one of {HEAD_LOSSES}, got {self.head_loss!r}")
         if self.base_training not in BASE_TRAINING:
             raise ValueError(f"base_training must be one of {BASE_TRAINING}, got {self.base_training!r}")
+        if self.lora_r < 1:
+            raise ValueError(f"lora_r must be >= 1, got {self.lora_r}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
         if self.base_loss_weight < 0:
             raise ValueError(f"base_loss_weight must be >= 0, got {self.base_loss_weight}")
         for name in ("eval_max_new_tokens", "eval_decoding_batch_size"):

@@ -60,3 +60,36 @@ def test_demo_runs_offline_on_a_saved_directory(tmp_path, capsys) -> None:
     assert printed.count("[identical: True]") == 2 and "mean accepted block" in printed and "speedup" in printed
     with pytest.raises(SystemExit, match="No checkpoint"):
         main(["demo", "--model", str(tmp_path / "missing")])
+
+
+def test_bench_compares_every_mode_and_writes_reports(tmp_path, capsys) -> None:
+    base, tokenizer = build_model("bart", seed=3), word_tokenizer()
+    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3))
+    torch.nn.init.normal_(model.heads.down.weight, std=1.0)
+    checkpoint = tmp_path / "model"
+    base.save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    model.save_pretrained(checkpoint, base_model_name_or_path=".")
+    sources = tmp_path / "sources.txt"
+    sources.write_text("\n".join(SOURCES[:5]) + "\n")
+    out = tmp_path / "bench"
+    arguments = ["bench", "--model", str(checkpoint), "--source-file", str(sources), "--reference-file", str(sources)]
+    assert (
+        main([*arguments, "--batch-sizes", "1", "3", "--max-new-tokens", "8", "--out", str(out), "--cost-curve"]) == 0
+    )
+
+    report = json.loads((out / "bench.json").read_text())
+    rows = {(row["mode"], row["batch_size"]): row for row in report["results"]}
+    expected_at_one = {"greedy", "beam4", "prompt_lookup", "heads", "heads_top2", "iad"}
+    assert {mode for mode, batch in rows if batch == 1} == expected_at_one
+    assert {mode for mode, batch in rows if batch == 3} == expected_at_one - {"prompt_lookup"}  # batch 1 only
+    for (mode, _), row in rows.items():
+        assert row["sentences"] == 5 and row["speedup"] > 0 and row["bleu"] is not None
+        if mode in ("greedy", "heads", "iad", "prompt_lookup"):  # lossless modes
+            assert row["identical_rate"] == 1.0, mode
+    assert rows[("greedy", 1)]["forwards_per_token"] >= rows[("heads", 1)]["forwards_per_token"] > 0
+    assert (out / "bench.md").read_text().count("| 1 |") == 6 and (out / "bench.png").stat().st_size > 0
+    assert "speedup vs greedy" in capsys.readouterr().out
+    curve = json.loads((out / "cost_curve.json").read_text())["ms_per_call"]
+    assert len(curve) == 32 and all(value > 0 for value in curve.values())
+    assert rows[("heads", 1)]["speedup_ceiling"] > 0 and (out / "cost_curve.png").is_file()

@@ -12,7 +12,12 @@ from conftest import ARCHITECTURES, OracleDrafter, random_batch
 from hf_blockwise import (
     BlockwiseConfig,
     BlockwiseHeadsModel,
+    DistanceAcceptance,
     ExactAcceptance,
+    GADPlusPlusAcceptance,
+    InputCopyDrafter,
+    MinimumBlockAcceptance,
+    TopKAcceptance,
     blockwise_generate,
     first_divergence,
 )
@@ -37,7 +42,17 @@ GENERATE_ARGUMENTS = {
     },
 }
 
-DRAFTERS = ["heads", "zero_heads", "noisy_oracle"]
+DRAFTERS = ["heads", "zero_heads", "noisy_oracle", "input_copy"]
+
+# Every acceptance rule with the parameters that make it exact (k=1, ε=0, β=1, τ=0, minimum block 1).
+LOSSLESS_RULES = {
+    "exact": lambda vocab_size: ExactAcceptance(),
+    "top_1": lambda vocab_size: TopKAcceptance(top_k=1),
+    "distance_0": lambda vocab_size: DistanceAcceptance(torch.arange(vocab_size, dtype=torch.float), epsilon=0.0),
+    "gad_beta_1": lambda vocab_size: GADPlusPlusAcceptance(top_beta=1, tolerance=3.0),
+    "gad_tau_0": lambda vocab_size: GADPlusPlusAcceptance(top_beta=5, tolerance=0.0),
+    "min_block_1": lambda vocab_size: MinimumBlockAcceptance(ExactAcceptance(), min_block=1),
+}
 
 
 def heads_model(base, block_size: int, seed: int, zero: bool) -> BlockwiseHeadsModel:
@@ -65,6 +80,17 @@ def assert_same_as_greedy(base, batch, greedy: torch.Tensor, blockwise: torch.Te
     assert not not_ties, f"blockwise output differs from greedy beyond a near-tie: {not_ties}"
 
 
+def blockwise_output(base, batch, greedy, drafter_name: str, block_size: int, seed: int, rule, kwargs) -> torch.Tensor:
+    if drafter_name in ("heads", "zero_heads"):
+        model = heads_model(base, block_size, seed, zero=drafter_name == "zero_heads")
+        return model.generate(**batch, acceptance=rule, **kwargs)
+    if drafter_name == "noisy_oracle":
+        drafter = OracleDrafter(greedy, block_size=block_size, corruption=0.3, seed=seed)
+    else:
+        drafter = InputCopyDrafter(base, max_draft_length=block_size - 1, max_ngram=3)
+    return base.generate(**batch, custom_generate=blockwise_generate, assistant=drafter, acceptance=rule, **kwargs)
+
+
 @pytest.mark.parametrize("arguments", sorted(GENERATE_ARGUMENTS))
 @pytest.mark.parametrize("drafter_name", DRAFTERS)
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
@@ -74,18 +100,22 @@ def test_blockwise_equals_greedy(tiny_models, architecture: str, drafter_name: s
     for batch_size, seed, block_size in [(1, 0, 3), (3, 1, 4), (8, 2, 6)]:
         batch = random_batch(base, batch_size, seed)
         greedy = base.generate(**batch, do_sample=False, num_beams=1, **kwargs)
-        if drafter_name == "noisy_oracle":
-            drafter = OracleDrafter(greedy, block_size=block_size, corruption=0.3, seed=seed)
-            output = base.generate(
-                **batch,
-                custom_generate=blockwise_generate,
-                assistant=drafter,
-                acceptance=ExactAcceptance(),
-                **kwargs,
-            )
-        else:
-            model = heads_model(base, block_size, seed, zero=drafter_name == "zero_heads")
-            output = model.generate(**batch, **kwargs)
+        output = blockwise_output(base, batch, greedy, drafter_name, block_size, seed, ExactAcceptance(), kwargs)
+        assert_same_as_greedy(base, batch, greedy, output)
+
+
+@pytest.mark.parametrize("rule_name", sorted(LOSSLESS_RULES))
+@pytest.mark.parametrize("drafter_name", ["heads", "noisy_oracle", "input_copy"])
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_lossless_settings_of_every_rule_equal_greedy(tiny_models, architecture, drafter_name, rule_name) -> None:
+    base = tiny_models[architecture]
+    rule = LOSSLESS_RULES[rule_name](base.config.vocab_size)
+    assert rule.lossless
+    kwargs = {"max_new_tokens": 20, "repetition_penalty": 1.3}
+    for batch_size, seed, block_size in [(1, 3, 4), (5, 4, 5)]:
+        batch = random_batch(base, batch_size, seed)
+        greedy = base.generate(**batch, do_sample=False, num_beams=1, **kwargs)
+        output = blockwise_output(base, batch, greedy, drafter_name, block_size, seed, rule, kwargs)
         assert_same_as_greedy(base, batch, greedy, output)
 
 

@@ -15,8 +15,10 @@ from hf_blockwise import (
     BlockwiseConfig,
     BlockwiseHeadsModel,
     DecodingStats,
+    DraftRequest,
     blockwise_generate,
     first_divergence,
+    frequent_tokens,
 )
 from hf_blockwise.heads import output_projection_logits
 from hf_blockwise.serialization import atomic_write_text
@@ -35,9 +37,8 @@ def test_untrained_heads_copy_p1(tiny_models, architecture: str) -> None:
     base = tiny_models[architecture]
     model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3))
     batch = random_batch(base, 2, seed=3)
-    labels = torch.randint(3, 50, (2, 5))
     with torch.no_grad():
-        output = model(**batch, labels=labels)
+        output = model(**batch, decoder_input_ids=torch.randint(3, 50, (2, 5)))
     assert output.head_logits.shape == (2, 5, 2, base.config.vocab_size)
     for head in range(2):
         torch.testing.assert_close(output.head_logits[:, :, head], output.logits, rtol=1e-5, atol=1e-5)
@@ -258,3 +259,65 @@ def test_training_step_moves_heads_and_leaves_frozen_base(tiny_models) -> None:
     assert losses[-1] < losses[0]
     assert any(not torch.equal(heads_before[n], t) for n, t in model.heads.state_dict().items())
     assert all(torch.equal(base_before[n], t) for n, t in base.state_dict().items())
+
+
+@pytest.mark.parametrize("architecture", ["marian", "t5"])
+def test_shortlist_restricts_proposals_keeps_output_and_is_saved(tmp_path, tiny_models, architecture: str) -> None:
+    base = tiny_models[architecture]
+    model = trained_looking_heads(base, block_size=4, seed=5)
+    batch = random_batch(base, 3, seed=4)
+    greedy = base.generate(**batch, do_sample=False, max_new_tokens=12)
+    shortlist = frequent_tokens(greedy.tolist(), size=8, always=[base.config.eos_token_id])
+    model.set_shortlist(shortlist)
+
+    states = torch.randn(5, base.config.d_model)
+    request = DraftRequest(
+        sequences=torch.zeros(5, 4, dtype=torch.long),
+        lengths=torch.ones(5, dtype=torch.long),
+        max_drafts=torch.full((5,), 3),
+        last_states=states,
+    )
+    drafts = model.drafter().get_candidates(request)
+    assert torch.isin(drafts.tokens, shortlist).all()
+    # among the shortlist, each head proposes exactly what the full projection ranks highest
+    full_logits = output_projection_logits(base, model.heads(states))  # (5, 3, V)
+    expected = shortlist[full_logits[..., shortlist].argmax(dim=-1)]
+    assert torch.equal(drafts.tokens, expected)
+    assert torch.equal(model.generate(**batch, max_new_tokens=12), greedy)
+
+    model.save_pretrained(tmp_path, dtype=torch.float16)
+    reloaded = BlockwiseHeadsModel.from_pretrained(tmp_path, base_model=base)
+    assert reloaded.blockwise_config.shortlist_size == shortlist.numel()
+    assert reloaded.heads.shortlist.dtype == torch.long and torch.equal(reloaded.heads.shortlist, shortlist)
+    model.set_shortlist(None)
+    assert model.heads.shortlist is None and model.blockwise_config.shortlist_size is None
+
+
+def test_bad_shortlists_are_refused(tiny_models) -> None:
+    model = BlockwiseHeadsModel(tiny_models["bart"], BlockwiseConfig(block_size=3))
+    with pytest.raises(ValueError, match="must lie in"):
+        model.set_shortlist([1, 10_000])
+    with pytest.raises(ValueError, match="unique"):
+        model.set_shortlist([3, 3])
+    with pytest.raises(ValueError, match="at least one"):
+        model.set_shortlist([])
+    assert frequent_tokens([[5, 5, 7, -100], [7, 7, 9]], size=2, always=[1]).tolist() == [1, 7]
+
+
+def test_fewer_heads_propose_the_prefix_of_all_heads(tiny_models) -> None:
+    base = tiny_models["pegasus"]
+    model = trained_looking_heads(base, block_size=6, seed=2)
+    request = DraftRequest(
+        sequences=torch.zeros(4, 3, dtype=torch.long),
+        lengths=torch.ones(4, dtype=torch.long),
+        max_drafts=torch.full((4,), 5),
+        last_states=torch.randn(4, base.config.d_model),
+    )
+    every_head = model.drafter().get_candidates(request).tokens  # (4, 5)
+    first_two = model.drafter(block_size=3).get_candidates(request)
+    assert torch.equal(first_two.tokens, every_head[:, :2]) and first_two.lengths.tolist() == [2] * 4
+    batch = random_batch(base, 2, seed=9)
+    greedy = base.generate(**batch, max_new_tokens=15)
+    assert torch.equal(model.generate(**batch, assistant=model.drafter(block_size=3), max_new_tokens=15), greedy)
+    with pytest.raises(ValueError, match="block_size must be between 2 and the model's block size 6"):
+        model.drafter(block_size=7)

@@ -6,11 +6,11 @@ import os
 
 import pytest
 import torch
-from conftest import build_model
+from conftest import build_model, random_batch
 from datasets import Dataset
 
 from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel
-from hf_blockwise.trainer import BlockwiseTrainer, head_accuracies
+from hf_blockwise.trainer import BlockwiseTrainer
 from hf_blockwise.trainer_config import BlockwiseTrainingArguments
 
 
@@ -53,12 +53,40 @@ def test_training_arguments_are_validated(tmp_path) -> None:
     assert make_args(tmp_path).prediction_loss_only
 
 
-def test_head_accuracies_shift_per_head() -> None:
-    labels = torch.tensor([[5, 6, 7, 8]])
-    logits = torch.zeros(1, 4, 2, 10)
-    logits[0, torch.arange(3), 0, labels[0, 1:]] = 1.0  # head 1 right everywhere
-    logits[0, 0, 1, 7] = 1.0  # head 2 right at its first position, wrong at the second
-    assert head_accuracies(logits, labels).tolist() == [1.0, 0.5]
+def test_head_losses_use_each_heads_shifted_labels() -> None:
+    """Per-head loss and accuracy (labelled positions only) equal those computed from the full head logits."""
+    model = BlockwiseHeadsModel(build_model("marian", seed=8), BlockwiseConfig(block_size=4))
+    torch.nn.init.normal_(model.heads.down.weight, std=0.5)
+    batch = random_batch(model.base_model, 3, seed=2)
+    labels = torch.randint(3, 50, (3, 6))
+    labels[0, 4:] = -100
+    labels[1, 2:] = -100
+    with torch.no_grad():
+        trained = model(**batch, labels=labels)
+        full = model(**batch, decoder_input_ids=trained_decoder_inputs(model, labels)).head_logits  # (B, T, 3, V)
+    for head in range(3):
+        logits, targets = full[:, : 6 - head - 1, head], labels[:, head + 1 :]
+        valid = targets != -100
+        expected_loss = torch.nn.functional.cross_entropy(logits[valid], targets[valid])
+        expected_accuracy = (logits[valid].argmax(-1) == targets[valid]).float().mean()
+        torch.testing.assert_close(trained.head_losses[head], expected_loss)
+        torch.testing.assert_close(trained.head_accuracies[head], expected_accuracy)
+
+
+def trained_decoder_inputs(model: BlockwiseHeadsModel, labels: torch.Tensor) -> torch.Tensor:
+    """The decoder inputs the base derives from `labels` (labels shifted right after the start token)."""
+    shifted = torch.full_like(labels, model.base_model.config.decoder_start_token_id)
+    shifted[:, 1:] = labels[:, :-1]
+    return shifted.masked_fill(shifted == -100, model.base_model.config.pad_token_id)
+
+
+def test_a_head_without_targets_adds_no_loss() -> None:
+    model = BlockwiseHeadsModel(build_model("bart", seed=8), BlockwiseConfig(block_size=4))
+    batch = random_batch(model.base_model, 2, seed=2)
+    output = model(**batch, labels=torch.tensor([[5, 6], [7, -100]]))  # head 2 and 3 look past the end
+    assert torch.isfinite(output.loss) and output.head_losses[1:].tolist() == [0.0, 0.0]
+    output.loss.backward()
+    assert model.heads.up.weight.grad is not None
 
 
 @pytest.mark.parametrize("head_loss", ["mean", "sampled"])
@@ -119,3 +147,43 @@ def test_evaluate_decodes_blockwise(tmp_path) -> None:
     assert {"eval_loss", "eval_head_1_loss", "eval_head_3_accuracy"} <= set(metrics) | {
         key for entry in trainer.state.log_history for key in entry
     }
+
+
+def test_lora_trains_adapters_and_heads_and_reloads_merged(tmp_path) -> None:
+    base = build_model("bart", seed=7)
+    base.save_pretrained(tmp_path / "base")
+    base_before = {name: tensor.clone() for name, tensor in base.state_dict().items()}
+    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3, base_model_name_or_path=str(tmp_path / "base")))
+    heads_before = {name: tensor.clone() for name, tensor in model.heads.state_dict().items()}
+    args = make_args(tmp_path / "run", base_training="lora", max_steps=3, lora_r=4)
+    trainer = BlockwiseTrainer(model=model, args=args, train_dataset=copy_task(24, 3))
+    trainer.train()
+
+    adapted = dict(model.base_model.named_parameters())
+    lora_b = [tensor for name, tensor in adapted.items() if "lora_B" in name]
+    assert lora_b and all(tensor.abs().sum() > 0 for tensor in lora_b)  # LoRA's B starts at zero: it trained
+    for name, tensor in adapted.items():
+        if "lora_" not in name:  # the base's own weights stay frozen
+            original = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            assert torch.equal(tensor, base_before[original]), name
+    assert any(not torch.equal(heads_before[name], t) for name, t in model.heads.state_dict().items())
+
+    checkpoint = tmp_path / "run" / "checkpoint-3"
+    files = set(os.listdir(checkpoint))
+    assert {"adapter_config.json", "adapter_model.safetensors", "blockwise_heads.safetensors"} <= files
+    assert "model.safetensors" not in files and not any(name.startswith(".adapter-") for name in files)
+
+    reloaded = BlockwiseHeadsModel.from_pretrained(checkpoint).eval()
+    model.eval()
+    inputs = torch.randint(4, 60, (2, 7))
+    with torch.no_grad():
+        expected = model(input_ids=inputs, decoder_input_ids=inputs).logits
+        merged = reloaded(input_ids=inputs, decoder_input_ids=inputs).logits
+    torch.testing.assert_close(merged, expected, rtol=1e-4, atol=1e-4)
+    greedy = reloaded.generate(input_ids=inputs, assistant=None, max_new_tokens=10)
+    assert torch.equal(reloaded.generate(input_ids=inputs, max_new_tokens=10), greedy)
+
+
+def test_lora_arguments_are_validated(tmp_path) -> None:
+    with pytest.raises(ValueError, match="lora_r must be >= 1"):
+        make_args(tmp_path, base_training="lora", lora_r=0)

@@ -53,11 +53,14 @@ from transformers.utils import logging as hf_logging
 from hf_blockwise.serialization import atomic_write, atomic_write_text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data" / "multi30k"
+DATA_ROOT = REPO_ROOT.parent / "shared" / "data"
+DEFAULT_DATA_DIR = DATA_ROOT / "multi30k"
+GEC_MAX_WORDS = 60  # FCE lines are paragraphs; longer pairs would be truncated on both sides out of alignment
 
 PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 STATE_FILE = "training_state.pt"
+TEST_SPLIT = {"multi30k-en-de": "test_2016_flickr", "gec": "jfleg dev (reference 0)"}
 LOG_FILE = "training_log.json"
 
 Pairs = tuple[list[str], list[str]]
@@ -80,10 +83,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument(
+        "--task",
+        choices=["multi30k-en-de", "gec"],
+        default="multi30k-en-de",
+        help="gec: error correction on W&I+LOCNESS + FCE train, W&I dev for validation, JFLEG dev as test",
+    )
+    p.add_argument(
         "--dataset",
-        default=str(DEFAULT_DATA_DIR),
-        help="local Multi30k folder (default: ../shared/data/multi30k from the repo root) "
-        "or a Hub dataset id such as bentrevett/multi30k",
+        default=None,
+        help="multi30k-en-de: local Multi30k folder (default: ../shared/data/multi30k from the repo root) or a "
+        "Hub dataset id such as bentrevett/multi30k; gec: the folder holding gec_wi_locness/, gec_fce/, jfleg/",
     )
     p.add_argument("--out", default="checkpoints/base-multi30k", help="output / checkpoint directory")
     p.add_argument("--epochs", type=int, default=8)
@@ -101,6 +110,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-sentences", type=int, default=300, help="sentences used for val / test BLEU")
     p.add_argument("--eval-batch-size", type=int, default=32)
     p.add_argument("--vocab-size", type=int, default=8000)
+    p.add_argument("--ship", default=None, help="also write the model (fp16), tokenizer and a model card here")
     return p.parse_args(argv)
 
 
@@ -130,6 +140,43 @@ def _read_local_split(data_dir: Path, prefix: str) -> Pairs:
     if len(en) != len(de):
         raise ValueError(f"{prefix}: {len(en)} English vs {len(de)} German lines")
     return en, de
+
+
+def _read_lines(path: Path) -> list[str]:
+    if path.suffix == ".gz":
+        return _read_gz_lines(path)
+    return [_clean(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def load_gec(data_root: str | Path) -> dict[str, Pairs]:
+    """Learner English → corrected English: W&I+LOCNESS train + FCE train (pairs of at most
+    ``GEC_MAX_WORDS`` words), W&I+LOCNESS dev as validation, JFLEG dev (first reference) as test."""
+    root = Path(data_root)
+    if not (root / "gec_wi_locness").is_dir():
+        raise FileNotFoundError(f"no gec_wi_locness/ under {root}; pass --dataset pointing at ../shared/data")
+    sources, targets = [], []
+    for folder, suffix in (("gec_wi_locness", ".gz"), ("gec_fce", ".gz")):
+        for source, target in zip(
+            _read_lines(root / folder / f"train.src{suffix}"), _read_lines(root / folder / f"train.tgt{suffix}"),
+            strict=True,
+        ):  # fmt: skip
+            if source and target and max(len(source.split()), len(target.split())) <= GEC_MAX_WORDS:
+                sources.append(source)
+                targets.append(target)
+    return {
+        "train": (sources, targets),
+        "val": (
+            _read_lines(root / "gec_wi_locness" / "dev.src.gz"),
+            _read_lines(root / "gec_wi_locness" / "dev.tgt.gz"),
+        ),
+        "test": (_read_lines(root / "jfleg" / "dev.src"), _read_lines(root / "jfleg" / "dev.ref0")),
+    }
+
+
+def load_task(task: str, dataset: str | None) -> dict[str, Pairs]:
+    if task == "gec":
+        return load_gec(dataset or DATA_ROOT)
+    return load_multi30k(dataset or str(DEFAULT_DATA_DIR))
 
 
 def load_multi30k(dataset: str) -> dict[str, Pairs]:
@@ -614,7 +661,7 @@ def finalize(
     t0 = time.perf_counter()
     score, signature, hyps = bleu(model, tokenizer, data["test"], args.eval_sentences, args.eval_batch_size)
     test_seconds = time.perf_counter() - t0
-    print(f"test_2016_flickr BLEU (first {args.eval_sentences}, greedy): {score:.2f}  [{signature}]")
+    print(f"{TEST_SPLIT[args.task]} BLEU (first {args.eval_sentences}, greedy): {score:.2f}  [{signature}]")
     for src, hyp in list(zip(data["test"][0], hyps, strict=False))[:3]:
         print(f"  {src}\n  -> {hyp}")
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -625,7 +672,7 @@ def finalize(
         "epochs_completed": progress.epoch,
         "epochs": log["epochs"],
         "test": {
-            "split": "test_2016_flickr",
+            "split": TEST_SPLIT[args.task],
             "n_sentences": len(hyps),
             "decoding": "greedy, batch 32, max_new_tokens 128",
             "bleu": score,
@@ -633,6 +680,7 @@ def finalize(
             "eval_wall_time_s": test_seconds,
         },
         "train_wall_time_s": progress.train_seconds,
+        "train_pairs": len(data["train"][0]),
         "threads": torch.get_num_threads(),
     }
     atomic_write_json(log_out, out_dir / LOG_FILE)
@@ -652,7 +700,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    data = load_multi30k(args.dataset)
+    data = load_task(args.task, args.dataset)
     print({k: len(v[0]) for k, v in data.items()}, "sentence pairs")
     tokenizer = get_tokenizer(out_dir, data["train"], args.vocab_size)
     if len(tokenizer) > args.vocab_size:
@@ -664,6 +712,44 @@ def main(argv: Sequence[str] | None = None) -> None:
     progress, log = run_training(args, model, tokenizer, data, out_dir)
     finalize(args, model, tokenizer, data, out_dir, progress, log)
     print(f"Saved model, tokenizer and {LOG_FILE} to {out_dir}")
+    if args.ship:
+        ship(model, tokenizer, args, out_dir)
+        print(f"shipped to {args.ship}")
+
+
+MODEL_CARDS = {
+    "gec": """# gec-en: a small Marian-style grammatical error correction model (English)
+
+Research artefact trained here from scratch by `training/train_base.py --task gec`.
+
+- **Data**: W&I+LOCNESS (BEA-2019, train A+B+C) and CLC FCE v2.1 train, pairs of at most 60 words
+  ({train_pairs} pairs); licences: BEA-2019 / CLC FCE — **non-commercial research and education only**.
+- **Model**: MarianMTModel, d_model 256, 3+3 layers, joint 8k BPE (source and target share the vocabulary,
+  which input-guided aggressive decoding needs), {epochs} epochs.
+- **Quality**: greedy BLEU against the first JFLEG dev reference (first {eval_sentences} sentences): {bleu:.1f}
+  (a rough proxy; GEC is usually scored with GLEU / ERRANT F0.5).
+- **Use**: `hf-blockwise bench --model <this dir> --modes greedy prompt_lookup iad ...` decodes it with
+  input-guided drafts (`hf_blockwise.InputCopyDrafter`); the output is identical to greedy.
+- **Stored** in fp16.
+""",
+}
+
+
+def ship(model: MarianMTModel, tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace, out_dir: Path) -> None:
+    """The trained model in fp16 with its tokenizer and a model card, for the package or a notebook."""
+    log = json.loads((out_dir / LOG_FILE).read_text())
+    ship_dir = Path(args.ship)
+    ship_dir.mkdir(parents=True, exist_ok=True)
+    model.to(torch.float16).save_pretrained(ship_dir)
+    model.to(torch.float32)
+    tokenizer.save_pretrained(ship_dir)
+    card = MODEL_CARDS.get(args.task)
+    if card is not None:
+        text = card.format(
+            train_pairs=log.get("train_pairs", "?"), epochs=log["epochs_completed"],
+            eval_sentences=log["test"]["n_sentences"], bleu=log["test"]["bleu"],
+        )  # fmt: skip
+        atomic_write_text(str(ship_dir / "README.md"), text)
 
 
 if __name__ == "__main__":

@@ -34,12 +34,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
 from datasets import Dataset
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel
 from hf_blockwise.distill import distill_texts
+from hf_blockwise.evaluation import compare_to_greedy
 from hf_blockwise.serialization import atomic_write_text
 from hf_blockwise.trainer import BlockwiseTrainer
 from hf_blockwise.trainer_config import BlockwiseTrainingArguments
@@ -57,13 +59,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--head-hidden-size", type=int, default=None, help="hidden width per head")
     parser.add_argument("--targets", choices=["gold", "distilled"], default="distilled")
     parser.add_argument("--teacher-beams", type=int, default=1, help="beam size of the distillation teacher")
+    parser.add_argument(
+        "--distilled-cache", default=None, help="JSON-lines cache of teacher outputs (default: in --out)"
+    )
+    parser.add_argument(
+        "--base-training",
+        choices=["frozen", "full", "lora"],
+        default="frozen",
+        help="'full' fine-tunes the base too, 'lora' trains LoRA adapters (q_proj, v_proj) on it",
+    )
     parser.add_argument("--epochs", type=float, default=1.0)
     parser.add_argument("--max-steps", type=int, default=-1, help="stop early (smoke tests)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warmup-steps", type=int, default=100)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--train-sentences", type=int, default=None, help="use only the first N (smoke tests)")
     parser.add_argument("--eval-sentences", type=int, default=300)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="length limit of distillation and test")
+    parser.add_argument("--eval-batch-size", type=int, default=1, help="batch size of the test decoding")
     parser.add_argument("--ship", default=None, help="also write a self-contained shipped checkpoint here")
     return parser.parse_args(argv)
 
@@ -94,49 +108,41 @@ Research artefact trained here from scratch by `training/train_base.py` and `tra
 - **Data**: Multi30k task 1 (Flickr30k captions, en→de), 29,000 training pairs; licence: research use only
   (Flickr30k terms). Not for commercial use.
 - **Base**: MarianMTModel, d_model 256, 3+3 layers, joint 8k BPE, greedy BLEU on the first
-  {results["eval_sentences"]} sentences of test_2016_flickr: {results["base_bleu"]:.1f} (sacreBLEU, cased, detokenized).
+  {results["num_sentences"]} sentences of test_2016_flickr: {results["greedy_bleu"]:.1f} (sacreBLEU, cased,
+  detokenized).
 - **Heads**: block size k = {model.blockwise_config.block_size} ({model.blockwise_config.num_heads} heads, hidden
   {model.blockwise_config.head_hidden_size} each), trained with the base frozen on {results["targets"]} targets.
 - **Decoding**: lossless (exact acceptance): blockwise output = greedy output.
-  Mean accepted block on the same sentences, decoded in batches of 32: {results["mean_accepted"]:.2f};
-  identical to greedy: {results["identical"]}/{results["eval_sentences"]}.
+  Mean accepted block on the same sentences, decoded in batches of {results["batch_size"]}:
+  {results["mean_accepted"]:.2f}; identical to greedy: {results["identical"]}/{results["num_sentences"]}; wall-clock
+  {results["speedup"]:.2f}x greedy in that run ({torch.get_num_threads()} CPU threads).
 - **Stored** in fp16; `hf-blockwise demo` loads it as fp32 and measures the speedup live.
 
 Regenerate: see the commands in the docstrings of `training/train_base.py` and `training/train_heads.py`.
 """
 
 
-@torch.no_grad()
-def evaluate_on_test(model: BlockwiseHeadsModel, tokenizer, sources, references) -> dict:
-    import sacrebleu
+def process_state() -> PartialState:
+    """This process's place under `accelerate launch` (one CPU process per rank where there is no GPU).
 
-    base = model.base_model
-    greedy_texts, blockwise_texts, accepted, identical = [], [], [], 0
-    for start in range(0, len(sources), 32):
-        batch = tokenizer(list(sources[start : start + 32]), return_tensors="pt", padding=True)
-        greedy = base.generate(**batch, num_beams=1, do_sample=False, max_new_tokens=128)
-        output = model.generate(**batch, max_new_tokens=128, return_dict_in_generate=True)
-        identical += sum(
-            torch.equal(a[a != base.config.pad_token_id], b[b != base.config.pad_token_id])
-            for a, b in zip(greedy, output.sequences, strict=True)
-        )
-        steps = output.decoding_stats.accepted
-        accepted.append(steps[steps > 0])
-        greedy_texts += tokenizer.batch_decode(greedy, skip_special_tokens=True)
-        blockwise_texts += tokenizer.batch_decode(output.sequences, skip_special_tokens=True)
-    return {
-        "eval_sentences": len(sources),
-        "base_bleu": sacrebleu.corpus_bleu(greedy_texts, [list(references)]).score,
-        "blockwise_bleu": sacrebleu.corpus_bleu(blockwise_texts, [list(references)]).score,
-        "mean_accepted": float(torch.cat(accepted).float().mean()),
-        "identical": identical,
-    }
+    The state is shared by the whole process and its first creation decides the device, so it must agree with
+    the trainer's `use_cpu` below.
+    """
+    return PartialState(cpu=not torch.cuda.is_available())
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
+def save_final(model: BlockwiseHeadsModel, directory: str, base_training: str) -> None:
+    """Heads (and a LoRA adapter) only; a fully fine-tuned base is saved beside them."""
+    if base_training == "full":
+        model.base_model.save_pretrained(directory)
+        model.save_pretrained(directory, base_model_name_or_path=".")
+    else:
+        model.save_pretrained(directory)
+
+
+def train(args: argparse.Namespace):
+    """Trains (or resumes) heads as `args` say; returns the model (in eval mode), tokenizer and data splits."""
     torch.set_num_threads(args.threads)
-    started = time.time()
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     base = AutoModelForSeq2SeqLM.from_pretrained(args.base, dtype=torch.float32)
     data = load_multi30k(args.dataset)
@@ -144,8 +150,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.train_sentences:
         sources, references = sources[: args.train_sentences], references[: args.train_sentences]
     if args.targets == "distilled":
-        cache = os.path.join(args.out, f"distilled-beam{args.teacher_beams}.jsonl")
-        targets = distill_texts(base, tokenizer, sources, cache, batch_size=64, num_beams=args.teacher_beams)
+        cache = args.distilled_cache or os.path.join(args.out, f"distilled-beam{args.teacher_beams}.jsonl")
+        # under `accelerate launch` the main process fills the cache, the others then read it
+        with process_state().main_process_first():
+            targets = distill_texts(
+                base, tokenizer, sources, cache, batch_size=64, num_beams=args.teacher_beams,
+                max_new_tokens=args.max_new_tokens,
+            )  # fmt: skip
     else:
         targets = references
     train_dataset = encode(tokenizer, sources, targets)
@@ -160,7 +171,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         num_train_epochs=args.epochs,
         max_steps=args.max_steps,
         learning_rate=args.lr,
-        warmup_steps=100,
+        warmup_steps=args.warmup_steps,
+        base_training=args.base_training,
+        lora_target_modules=["q_proj", "v_proj"] if args.base_training == "lora" else None,
         lr_scheduler_type="linear",
         logging_steps=50,
         save_steps=200,
@@ -171,13 +184,36 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     trainer = BlockwiseTrainer(model=model, args=training_args, train_dataset=train_dataset, processing_class=tokenizer)
     trainer.train(resume_from_checkpoint=get_last_checkpoint(args.out) if os.path.isdir(args.out) else None)
-    model.save_pretrained(os.path.join(args.out, "final"))
+    if trainer.is_world_process_zero():
+        save_final(model, os.path.join(args.out, "final"), args.base_training)
+    return model.eval(), tokenizer, data
 
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    started = time.time()
+    model, tokenizer, data = train(args)
+    state = process_state()
+    if not state.is_main_process:
+        return
     test_sources, test_references = (split[: args.eval_sentences] for split in data["test"])
-    results = evaluate_on_test(model.eval(), tokenizer, test_sources, test_references)
-    results.update(
-        {"targets": args.targets, "block_size": args.block_size, "wall_time_s": round(time.time() - started, 1)}
+    comparison = compare_to_greedy(
+        model,
+        tokenizer,
+        test_sources,
+        test_references,
+        assistant=model.drafter(),
+        batch_size=args.eval_batch_size,
+        max_new_tokens=args.max_new_tokens,
     )
+    results = {
+        **comparison.summary(),
+        "targets": args.targets,
+        "base_training": args.base_training,
+        "block_size": args.block_size,
+        "world_size": state.num_processes,
+        "wall_time_s": round(time.time() - started, 1),
+    }
     atomic_write_text(os.path.join(args.out, "heads_log.json"), json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
     if args.ship:

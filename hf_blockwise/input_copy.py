@@ -1,0 +1,141 @@
+"""Input-guided aggressive decoding (IAD, Ge et al. 2022, §3.1 and Algorithm 1): the source is the draft.
+
+When the output is mostly a copy of the input (grammatical error correction, simplification, post-editing),
+the rest of the source after the point where output and source last agree is an excellent draft. After a
+draft is rejected, decoding continues one verified token at a time until the output's last tokens match a
+*unique* substring of the source again; drafting then resumes right after that match.
+
+transformers' prompt lookup searches only the decoder's own tokens, so for an encoder-decoder model it never
+copies from the source; this drafter does, for any seq2seq model whose encoder and decoder share a vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .drafters import Drafter, DraftRequest, Drafts
+
+# Ge's sentinel o_0 = x_0: the decoder start token and a mark in front of the source match each other only,
+# so the very first step drafts the whole source. A negative id cannot collide with a real token.
+_SENTINEL = -1
+
+
+def check_shared_vocabulary(model: nn.Module) -> None:
+    """Raises a `ValueError` unless the model's encoder and decoder embed the same token ids the same way."""
+    encoder_embeddings = model.get_encoder().get_input_embeddings()
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    decoder_embeddings = decoder.get_input_embeddings() if decoder is not None else None
+    shared = encoder_embeddings is decoder_embeddings or (
+        decoder_embeddings is not None
+        and encoder_embeddings.weight.shape == decoder_embeddings.weight.shape
+        and encoder_embeddings.weight.data_ptr() == decoder_embeddings.weight.data_ptr()
+    )
+    if not shared:
+        raise ValueError(
+            f"InputCopyDrafter copies source token ids into the output, but {type(model).__name__} has separate "
+            "source and target vocabularies (its encoder and decoder embeddings differ), so a source id means "
+            "another token in the output. Use a model with a shared vocabulary, or another drafter."
+        )
+
+
+def sentinel_source(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The source with Ge's start sentinel in front and padding marked as the sentinel too.
+
+    Args:
+        input_ids (`torch.LongTensor` of shape `(batch_size, source_length)`).
+        attention_mask (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*).
+
+    Returns:
+        source (`torch.LongTensor` of shape `(batch_size, source_length + 1)`) and its valid lengths
+        (`(batch_size,)`), sentinel included. Left padding is moved out of the way: real tokens come first.
+    """
+    mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    # stable sort puts each row's real tokens first, in order, whichever side the tokenizer padded
+    order = torch.sort((~mask).long(), dim=1, stable=True).indices
+    tokens = torch.where(mask, input_ids, _SENTINEL).gather(1, order)
+    sentinel = torch.full_like(tokens[:, :1], _SENTINEL)
+    return torch.cat([sentinel, tokens], dim=1), mask.sum(dim=1) + 1
+
+
+def input_copy_drafts(
+    source: torch.Tensor,
+    source_lengths: torch.Tensor,
+    sequences: torch.Tensor,
+    lengths: torch.Tensor,
+    num_drafts: int,
+    max_ngram: int,
+) -> Drafts:
+    """For each row, the source tokens after the unique source occurrence of the output's shortest matching suffix.
+
+    The suffix grows one token at a time (n = 1 .. `max_ngram`) while it occurs more than once; a row whose
+    suffix occurs nowhere, or still more than once at `max_ngram`, gets no draft this step.
+
+    Args:
+        source (`torch.LongTensor` of shape `(batch_size, source_length)`): from [`sentinel_source`].
+        source_lengths (`torch.LongTensor` of shape `(batch_size,)`).
+        sequences (`torch.LongTensor` of shape `(batch_size, buffer_length)`): verified output tokens; position 0
+            is the decoder start token.
+        lengths (`torch.LongTensor` of shape `(batch_size,)`).
+        num_drafts (`int`): most tokens to draft per row.
+        max_ngram (`int`): longest suffix tried.
+
+    Returns:
+        [`Drafts`] with `tokens` of shape `(batch_size, num_drafts)`.
+    """
+    batch_size, source_length = source.shape
+    positions = torch.arange(source_length, device=source.device)  # (S,)
+    output = sequences.clone()
+    output[:, 0] = _SENTINEL
+    candidates = positions[None, :] < source_lengths[:, None]  # (B, S): source positions a suffix may end at
+    anchor = torch.full((batch_size,), -1, dtype=torch.long, device=source.device)
+    undecided = torch.ones(batch_size, dtype=torch.bool, device=source.device)
+    for n in range(1, max_ngram + 1):
+        has_token = lengths - n >= 0  # (B,)
+        output_token = output.gather(1, (lengths - n).clamp(min=0)[:, None])  # (B, 1)
+        source_token = source.gather(1, (positions - n + 1).clamp(min=0).expand(batch_size, -1))  # (B, S)
+        candidates = candidates & (source_token == output_token) & (positions >= n - 1) & has_token[:, None]
+        count = candidates.sum(dim=1)  # (B,)
+        unique = undecided & (count == 1)
+        anchor = torch.where(unique, candidates.long().argmax(dim=1), anchor)
+        undecided = undecided & (count > 1) & has_token
+        if not bool(undecided.any()):
+            break
+    start = anchor + 1  # (B,): first source position after the match
+    offsets = torch.arange(num_drafts, device=source.device)
+    tokens = source.gather(1, (start[:, None] + offsets).clamp(max=source_length - 1))  # (B, D)
+    available = torch.where(anchor >= 0, source_lengths - start, 0).clamp(0, num_drafts)
+    tokens = torch.where(offsets < available[:, None], tokens, 0)
+    return Drafts(tokens=tokens, lengths=available)
+
+
+class InputCopyDrafter(Drafter):
+    """Drafts by copying the source (input-guided aggressive decoding, Ge et al. 2022 §3.1).
+
+    With exact acceptance the output equals greedy decoding. The loop always appends the verifier's own
+    token after the accepted drafts, so a bifurcation always exists (Ge's end sentinel) and every step gains
+    at least one token.
+
+    Args:
+        model: the seq2seq model that will verify; its encoder and decoder must share a vocabulary.
+        max_draft_length (`int`, defaults to 32): most source tokens drafted per step (Ge drafts the whole
+            rest of the source; a cap bounds the width of one verification pass).
+        max_ngram (`int`, defaults to 8): longest output suffix searched in the source to re-anchor.
+    """
+
+    def __init__(self, model: nn.Module, max_draft_length: int = 32, max_ngram: int = 8) -> None:
+        if max_draft_length < 1 or max_ngram < 1:
+            raise ValueError(f"max_draft_length and max_ngram must be >= 1, got {max_draft_length}, {max_ngram}")
+        check_shared_vocabulary(getattr(model, "base_model", model))
+        self.block_size = max_draft_length + 1
+        self.max_ngram = max_ngram
+
+    def get_candidates(self, request: DraftRequest) -> Drafts:
+        if request.encoder_input_ids is None:
+            raise ValueError(
+                "InputCopyDrafter needs the source token ids; call generate with input_ids (not inputs_embeds)"
+            )
+        source, source_lengths = sentinel_source(request.encoder_input_ids, request.encoder_attention_mask)
+        return input_copy_drafts(
+            source, source_lengths, request.sequences, request.lengths, self.block_size - 1, self.max_ngram
+        )

@@ -1,0 +1,53 @@
+"""Training recipes run end to end on a tiny model: the heads recipe under `accelerate launch` with 2 CPU processes."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import build_model, word_tokenizer
+
+REPOSITORY = Path(__file__).resolve().parent.parent
+
+
+def write_multi30k_like(directory: Path, num_train: int = 24) -> None:
+    """A Multi30k-shaped folder (train / val / test_2016_flickr, .en.gz / .de.gz) over the tiny vocabulary."""
+    directory.mkdir()
+    sentences = [" ".join(f"w{3 + (i * 7 + j * 5) % 60}" for j in range(3 + i % 5)) for i in range(num_train)]
+    for split, lines in {"train": sentences, "val": sentences[:4], "test_2016_flickr": sentences[:3]}.items():
+        for language in ("en", "de"):
+            with gzip.open(directory / f"{split}.{language}.gz", "wt", encoding="utf-8") as handle:
+                handle.write("\n".join(lines) + "\n")
+
+
+def test_heads_recipe_runs_under_accelerate_launch_with_two_cpu_processes(tmp_path) -> None:
+    base_dir, data_dir, out_dir = tmp_path / "base", tmp_path / "data", tmp_path / "heads"
+    build_model("marian", seed=11).save_pretrained(base_dir)
+    word_tokenizer().save_pretrained(base_dir)
+    write_multi30k_like(data_dir)
+    # accelerate starts several local processes through torchrun only in its "--multi_gpu" mode; with no GPU
+    # the recipe's PartialState(cpu=True) joins them as a MULTI_CPU (gloo) group.
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        str(REPOSITORY / "training" / "train_heads.py"),
+        "--base", str(base_dir), "--dataset", str(data_dir), "--out", str(out_dir), "--block-size", "3",
+        "--targets", "distilled", "--max-steps", "3", "--batch-size", "4", "--eval-sentences", "3", "--threads", "1",
+        "--max-new-tokens", "16",
+    ]  # fmt: skip
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    log = json.loads((out_dir / "heads_log.json").read_text())
+    assert log["world_size"] == 2
+    assert log["identical"] == log["num_sentences"] == 3
+    assert (out_dir / "final" / "blockwise_heads.safetensors").is_file()
+    distilled = (out_dir / "distilled-beam1.jsonl").read_text().splitlines()
+    assert len(distilled) == 24  # filled once, by the main process
+    state = json.loads((out_dir / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3
