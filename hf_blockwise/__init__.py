@@ -17,6 +17,7 @@ from .evaluation import Comparison, compare_to_greedy
 from .heads import BlockwiseHeads
 from .input_copy import InputCopyDrafter
 from .modeling import BlockwiseHeadsModel, BlockwiseHeadsOutput
+from .quantization import quantize_dynamic_int8
 from .shortlist import frequent_tokens
 
 __version__ = "0.1.0"
@@ -46,4 +47,5 @@ __all__ = [
     "compare_to_greedy",
     "first_divergence",
     "frequent_tokens",
+    "quantize_dynamic_int8",
 ]

@@ -8,6 +8,7 @@ per output token, mean accepted block, identical-to-greedy rate and BLEU against
 
 from __future__ import annotations
 
+import copy
 import gzip
 import json
 import os
@@ -25,9 +26,21 @@ from .decoding import blockwise_generate
 from .input_copy import InputCopyDrafter
 from .serialization import atomic_write_text
 
-# mode name -> (needs heads, batch sizes it supports: None = any)
-MODE_NAMES = ("greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_top2", "iad")
+MODE_NAMES = (
+    "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_full_vocab", "heads_top2", "iad",
+    "greedy_int8", "heads_int8",
+)  # fmt: skip
+DEFAULT_MODES = ("greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_top2", "iad")
+# The CPU fast path, step by step (Devlin 2017, Table 1): blockwise heads drafting over the whole vocabulary,
+# + the heads' vocabulary shortlist, + int8 matrix products (with int8 greedy as that step's exact reference).
+FAST_PATH_MODES = ("greedy", "heads_full_vocab", "heads", "greedy_int8", "heads_int8")
 BATCH_ONE_ONLY = {"prompt_lookup", "assisted"}  # transformers' assisted generation decodes one row at a time
+INT8_MODES = {"greedy_int8", "heads_int8"}
+
+
+def reference_mode(mode: str) -> str:
+    """The greedy mode whose output `mode` must reproduce: int8 modes are exact w.r.t. the int8 model."""
+    return "greedy_int8" if mode in INT8_MODES else "greedy"
 
 
 @dataclass
@@ -46,6 +59,18 @@ class BenchSetup:
     heads_model: nn.Module | None = None
     assistant_model: nn.Module | None = None
     max_new_tokens: int = 128
+
+    def int8_copy(self) -> BenchSetup:
+        """The same setup with int8 dynamically quantized copies of the base (and of the heads model's base)."""
+        from .quantization import quantize_dynamic_int8
+
+        source = self.heads_model if self.heads_model is not None else self.base
+        quantized = quantize_dynamic_int8(copy.deepcopy(source))
+        heads_model = quantized if self.heads_model is not None else None
+        base = quantized.base_model if heads_model is not None else quantized
+        return BenchSetup(
+            base=base, tokenizer=self.tokenizer, heads_model=heads_model, max_new_tokens=self.max_new_tokens
+        )
 
 
 @dataclass
@@ -97,9 +122,13 @@ def available_modes(setup: BenchSetup, requested: Sequence[str]) -> list[str]:
             print("skipping iad: source and target vocabularies differ")
         else:
             modes.append(mode)
+    for needed in ("greedy_int8", "greedy"):
+        if needed not in modes and any(reference_mode(mode) == needed for mode in modes):
+            modes.insert(0, needed)
     if "greedy" not in modes:
         modes.insert(0, "greedy")
-    return modes
+    # references first: each batch is decoded by the modes in this order, and others are compared with them
+    return sorted(modes, key=lambda mode: mode not in ("greedy", "greedy_int8"))
 
 
 def _shares_vocabulary(model: nn.Module) -> bool:
@@ -113,7 +142,11 @@ def _shares_vocabulary(model: nn.Module) -> bool:
 
 
 def mode_runner(mode: str, setup: BenchSetup) -> Callable[[dict[str, torch.Tensor]], Any]:
-    """A function decoding one tokenized batch in `mode`; returns sequences or a dict-style output."""
+    """A function decoding one tokenized batch in `mode`; returns sequences or a dict-style output.
+
+    For the int8 modes, `setup` is the quantized one ([`BenchSetup.int8_copy`]).
+    """
+    mode = mode.removesuffix("_int8")
     base, limit = setup.base, setup.max_new_tokens
     if mode == "greedy":
         return lambda batch: base.generate(**batch, do_sample=False, num_beams=1, max_new_tokens=limit)
@@ -125,10 +158,11 @@ def mode_runner(mode: str, setup: BenchSetup) -> Callable[[dict[str, torch.Tenso
         return lambda batch: base.generate(
             **batch, do_sample=False, assistant_model=setup.assistant_model, max_new_tokens=limit
         )
-    if mode in ("heads", "heads_top2"):
+    if mode in ("heads", "heads_full_vocab", "heads_top2"):
         rule = TopKAcceptance(2) if mode == "heads_top2" else None
+        drafter = setup.heads_model.drafter(use_shortlist=mode != "heads_full_vocab")
         return lambda batch: setup.heads_model.generate(
-            **batch, acceptance=rule, max_new_tokens=limit, return_dict_in_generate=True
+            **batch, assistant=drafter, acceptance=rule, max_new_tokens=limit, return_dict_in_generate=True
         )
     if mode == "iad":
         drafter = InputCopyDrafter(base)
@@ -172,6 +206,7 @@ def run_bench(
     import sacrebleu
 
     modes = available_modes(setup, modes)
+    int8_setup = setup.int8_copy() if INT8_MODES & set(modes) else None
     pad_token_id = setup.base.config.pad_token_id
     device = next(setup.base.parameters()).device
     results = []
@@ -181,26 +216,31 @@ def run_bench(
             for start in range(0, len(sources), batch_size)
         ]
         active = [mode for mode in modes if batch_size == 1 or mode not in BATCH_ONE_ONLY]
-        runners = {mode: mode_runner(mode, setup) for mode in active}
+        runners = {mode: mode_runner(mode, int8_setup if mode in INT8_MODES else setup) for mode in active}
         for runner in runners.values():
             runner(batches[0])  # warm-up
         by_mode = {mode: ModeResult(mode=mode, batch_size=batch_size) for mode in active}
-        greedy_rows: list[torch.Tensor] = []
-        counter = DecoderCallCounter(setup.base)
+        counters = [DecoderCallCounter(setup.base)]
+        if int8_setup is not None:
+            counters.append(DecoderCallCounter(int8_setup.base))
         try:
             for batch in tqdm(batches, desc=f"bench batch {batch_size}", disable=not progress):
+                reference_rows: dict[str, list[torch.Tensor]] = {}
                 for mode in active:
-                    counter.calls = 0
+                    for counter in counters:
+                        counter.calls = 0
                     start = time.perf_counter()
                     output = runners[mode](batch)
                     seconds = time.perf_counter() - start
-                    _record(by_mode[mode], output, seconds, counter.calls, setup.tokenizer, pad_token_id)
+                    forwards = sum(counter.calls for counter in counters)
+                    _record(by_mode[mode], output, seconds, forwards, setup.tokenizer, pad_token_id)
                     rows = [_strip(row, pad_token_id) for row in _sequences(output)]
-                    if mode == "greedy":
-                        greedy_rows = rows
-                    by_mode[mode].identical += sum(torch.equal(a, b) for a, b in zip(rows, greedy_rows, strict=True))
+                    reference_rows.setdefault(mode, rows)
+                    expected = reference_rows[reference_mode(mode)]
+                    by_mode[mode].identical += sum(torch.equal(a, b) for a, b in zip(rows, expected, strict=True))
         finally:
-            counter.close()
+            for counter in counters:
+                counter.close()
         greedy_seconds = by_mode["greedy"].seconds
         for result in by_mode.values():
             result.speedup = greedy_seconds / result.seconds
@@ -235,7 +275,7 @@ def markdown_table(results: Sequence[ModeResult], header: str) -> str:
         header,
         "",
         "| batch | mode | speedup vs greedy | ceiling | tokens/s | words/s | forwards/token | mean accepted "
-        "| identical | BLEU |",
+        "| identical¹ | BLEU |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for result in results:
@@ -248,6 +288,7 @@ def markdown_table(results: Sequence[ModeResult], header: str) -> str:
             f"{figures['words_per_second']:.0f} | {figures['forwards_per_token']:.2f} | "
             f"{figures['mean_accepted']:.2f} | {result.identical}/{result.sentences} | {bleu} |"
         )
+    lines += ["", "¹ outputs equal, token for token, to greedy decoding of the same model (int8 modes: the int8 model)"]
     return "\n".join(lines) + "\n"
 
 

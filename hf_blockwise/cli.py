@@ -112,7 +112,7 @@ def load_for_bench(model_path: str, assistant_path: str | None, max_new_tokens: 
 def run_bench_command(args: argparse.Namespace) -> int:
     from transformers.utils import logging as transformers_logging
 
-    from .bench import MODE_NAMES, read_lines, run_bench, speedup_ceiling, write_report
+    from .bench import DEFAULT_MODES, FAST_PATH_MODES, read_lines, run_bench, speedup_ceiling, write_report
 
     transformers_logging.set_verbosity_error()
     if args.threads:
@@ -131,7 +131,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         references = references[: args.sentences] if references is not None else None
     setup = load_for_bench(args.model, args.assistant_model, args.max_new_tokens)
     curve = write_cost_curve(setup, sources[0], args.out) if args.cost_curve else None
-    modes = args.modes or list(MODE_NAMES)
+    modes = args.modes or list(FAST_PATH_MODES if args.fast_path else DEFAULT_MODES)
     results = run_bench(setup, sources, references, modes, args.batch_sizes)
     if curve is not None and setup.heads_model is not None:
         block_size = setup.heads_model.blockwise_config.block_size
@@ -171,6 +171,8 @@ def write_cost_curve(setup, sentence: str, out_dir: str) -> list[tuple[int, floa
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from .bench import DEFAULT_MODES, FAST_PATH_MODES, MODE_NAMES
+
     parser = argparse.ArgumentParser(prog="hf-blockwise", description="Exact blockwise parallel decoding.")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="translate a few sentences, greedy and blockwise side by side")
@@ -186,7 +188,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--reference-file", default=None, help="references for BLEU, line by line")
     bench.add_argument("--sentences", type=int, default=None, help="use the first N sources")
     bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
-    bench.add_argument("--modes", nargs="+", default=None, help="default: every mode the model supports")
+    bench.add_argument(
+        "--modes", nargs="+", default=None, choices=MODE_NAMES, help="default: " + " ".join(DEFAULT_MODES)
+    )
+    bench.add_argument(
+        "--fast-path",
+        action="store_true",
+        help="the CPU fast path step by step: " + ", then ".join(FAST_PATH_MODES) + " (int8 needs a CPU)",
+    )
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 = Devlin's words/s)")
     bench.add_argument("--out", default="bench", help="directory for bench.json, bench.md, bench.png")

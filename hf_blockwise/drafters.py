@@ -106,16 +106,19 @@ class HeadsDrafter(Drafter):
         model ([`BlockwiseHeadsModel`]): the model whose heads draft.
         block_size (`int`, *optional*): use only the first `block_size - 1` heads (2 <= block_size <= the
             model's block size). Fewer heads cost less per step when long blocks are rarely accepted.
+        use_shortlist (`bool`, defaults to `True`): propose only among the model's vocabulary shortlist, if it
+            has one (see [`BlockwiseHeadsModel.set_shortlist`]); `False` drafts over the whole vocabulary.
     """
 
-    def __init__(self, model: BlockwiseHeadsModel, block_size: int | None = None) -> None:
+    def __init__(self, model: BlockwiseHeadsModel, block_size: int | None = None, use_shortlist: bool = True) -> None:
         trained = model.blockwise_config.block_size
         block_size = trained if block_size is None else block_size
         if not 2 <= block_size <= trained:
             raise ValueError(f"block_size must be between 2 and the model's block size {trained}, got {block_size}")
         self.model = model
         self.block_size = block_size
-        shortlist = model.heads.shortlist
+        shortlist = model.heads.shortlist if use_shortlist else None
+        self._shortlist = shortlist
         # derived once per generate call: slicing the projection every step would cost as much as using it
         self._shortlist_projection = None if shortlist is None else shortlist_projection(model.base_model, shortlist)
 
@@ -130,6 +133,6 @@ class HeadsDrafter(Drafter):
         else:
             weight, bias = self._shortlist_projection
             best = torch.nn.functional.linear(head_states.to(weight.dtype), weight, bias).argmax(dim=-1)  # (B, k-1)
-            tokens = self.model.heads.shortlist[best]
+            tokens = self._shortlist[best]
         lengths = torch.full((batch_size,), tokens.shape[1], dtype=torch.long, device=tokens.device)
         return Drafts(tokens=tokens, lengths=lengths)

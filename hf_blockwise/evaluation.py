@@ -97,7 +97,13 @@ def compare_to_greedy(
         raise ValueError("compare_to_greedy needs at least one source sentence")
     if references is not None and len(references) != len(sources):
         raise ValueError(f"{len(sources)} sources but {len(references)} references")
-    base = base_model if base_model is not None else getattr(model, "base_model", model)
+    from .modeling import BlockwiseHeadsModel
+
+    # not getattr(model, "base_model", model): every transformers model has that attribute (its bare backbone)
+    if base_model is not None:
+        base = base_model
+    else:
+        base = model.base_model if isinstance(model, BlockwiseHeadsModel) else model
     pad_token_id = base.config.pad_token_id
     device = next(base.parameters()).device
     batches = [

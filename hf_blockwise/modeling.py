@@ -156,9 +156,9 @@ class BlockwiseHeadsModel(nn.Module):
     def generation_config(self):
         return self.base_model.generation_config
 
-    def drafter(self, block_size: int | None = None) -> Drafter:
+    def drafter(self, block_size: int | None = None, use_shortlist: bool = True) -> Drafter:
         """The [`HeadsDrafter`] that proposes tokens with this model's heads (the first `block_size - 1`)."""
-        return HeadsDrafter(self, block_size)
+        return HeadsDrafter(self, block_size, use_shortlist)
 
     def set_shortlist(self, token_ids: Sequence[int] | torch.Tensor | None) -> None:
         """Restricts the heads' proposals to `token_ids` (e.g. [`frequent_tokens`] of the training targets).

@@ -39,7 +39,7 @@ from datasets import Dataset
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.trainer_utils import get_last_checkpoint
 
-from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel
+from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, frequent_tokens
 from hf_blockwise.distill import distill_texts
 from hf_blockwise.evaluation import compare_to_greedy
 from hf_blockwise.serialization import atomic_write_text
@@ -78,6 +78,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-sentences", type=int, default=300)
     parser.add_argument("--max-new-tokens", type=int, default=128, help="length limit of distillation and test")
     parser.add_argument("--eval-batch-size", type=int, default=1, help="batch size of the test decoding")
+    parser.add_argument(
+        "--shortlist",
+        type=int,
+        default=None,
+        help="after training, restrict the heads' proposals to the N most frequent target tokens (output unchanged)",
+    )
     parser.add_argument("--ship", default=None, help="also write a self-contained shipped checkpoint here")
     return parser.parse_args(argv)
 
@@ -184,6 +190,9 @@ def train(args: argparse.Namespace):
     )
     trainer = BlockwiseTrainer(model=model, args=training_args, train_dataset=train_dataset, processing_class=tokenizer)
     trainer.train(resume_from_checkpoint=get_last_checkpoint(args.out) if os.path.isdir(args.out) else None)
+    if args.shortlist:
+        # verification keeps the whole vocabulary, so this only drops proposals of rare tokens
+        model.set_shortlist(frequent_tokens(train_dataset["labels"], args.shortlist, always=[tokenizer.eos_token_id]))
     if trainer.is_world_process_zero():
         save_final(model, os.path.join(args.out, "final"), args.base_training)
     return model.eval(), tokenizer, data
@@ -211,6 +220,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "targets": args.targets,
         "base_training": args.base_training,
         "block_size": args.block_size,
+        "head_hidden_size": model.blockwise_config.head_hidden_size,
+        "shortlist_size": model.blockwise_config.shortlist_size,
         "world_size": state.num_processes,
         "wall_time_s": round(time.time() - started, 1),
     }

@@ -1,0 +1,114 @@
+"""The CPU fast path: int8 base, vocabulary shortlist on/off, encoder and cross-attention computed once."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from conftest import ARCHITECTURES, build_model, random_batch, word_tokenizer
+
+from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, NoDrafter, frequent_tokens, quantize_dynamic_int8
+from hf_blockwise.cli import main
+from hf_blockwise.drafters import DraftRequest
+
+
+def heads_with_shortlist(base, seed: int) -> BlockwiseHeadsModel:
+    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=4))
+    torch.manual_seed(seed)
+    torch.nn.init.normal_(model.heads.down.weight, std=1.0)
+    model.set_shortlist(frequent_tokens([list(range(3, 40))], size=24, always=[base.config.eos_token_id]))
+    return model
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_int8_quantizes_the_base_and_decodes(tiny_models, architecture: str) -> None:
+    """One token per step, the loop reproduces the int8 model's greedy output exactly. With drafts it need not:
+    dynamic quantization scales a layer's input by its largest value over *all* tokens fed together, so a
+    verification pass rounds differently from greedy's single token (documented; the bench reports the rate)."""
+    model = quantize_dynamic_int8(heads_with_shortlist(copy.deepcopy(tiny_models[architecture]), seed=1))
+    base = model.base_model
+    quantized = [module for module in base.modules() if type(module).__module__.startswith("torch.ao.nn.quantized")]
+    assert base.get_output_embeddings() in quantized and len(quantized) > 8
+    assert isinstance(model.heads.up, torch.nn.Linear)  # heads stay in full precision
+    batch = random_batch(base, 1, seed=2)
+    greedy = base.generate(**batch, max_new_tokens=16, do_sample=False)
+    assert torch.equal(model.generate(**batch, assistant=NoDrafter(), max_new_tokens=16), greedy)
+    for drafter in (model.drafter(), model.drafter(use_shortlist=False)):
+        output = model.generate(**batch, assistant=drafter, max_new_tokens=16, return_dict_in_generate=True)
+        assert output.sequences.shape[0] == 1 and output.decoding_stats.num_forwards <= greedy.shape[1]
+
+
+def test_int8_needs_a_cpu_model() -> None:
+    base = build_model("marian").to("meta")
+    with pytest.raises(ValueError, match="CPU only"):
+        quantize_dynamic_int8(base)
+
+
+def test_drafting_without_the_shortlist_uses_the_whole_vocabulary(tiny_models) -> None:
+    model = heads_with_shortlist(tiny_models["bart"], seed=4)
+    states = torch.randn(6, model.config.d_model)
+    request = DraftRequest(
+        sequences=torch.zeros(6, 4, dtype=torch.long),
+        lengths=torch.ones(6, dtype=torch.long),
+        max_drafts=torch.full((6,), 3),
+        last_states=states,
+    )
+    shortlisted = model.drafter().get_candidates(request).tokens
+    everything = model.drafter(use_shortlist=False).get_candidates(request).tokens
+    assert torch.isin(shortlisted, model.heads.shortlist).all()
+    full_argmax = model.base_model.get_output_embeddings()(model.heads(states)) + model.base_model.final_logits_bias
+    assert torch.equal(everything, full_argmax.argmax(dim=-1))
+    assert not torch.isin(everything, model.heads.shortlist).all()  # random heads do propose rare tokens
+
+
+@pytest.mark.parametrize("architecture", ["marian", "t5"])
+def test_encoder_and_cross_attention_run_once_per_generate(tiny_models, architecture: str) -> None:
+    """The encoder output and each layer's cross-attention keys/values are computed once per source, not per
+    verification step: transformers' cache keeps them, and cropping it after a step leaves them alone."""
+    base = tiny_models[architecture]
+    model = heads_with_shortlist(base, seed=6)
+    cross_key_projections = [
+        module
+        for name, module in base.get_decoder().named_modules()
+        if name.endswith(("encoder_attn.k_proj", "EncDecAttention.k"))
+    ]
+    assert len(cross_key_projections) == base.config.num_decoder_layers if architecture == "t5" else 2
+    calls = {"encoder": 0, "cross_keys": 0}
+    hooks = [base.get_encoder().register_forward_hook(lambda *_: calls.__setitem__("encoder", calls["encoder"] + 1))]
+    hooks += [
+        module.register_forward_hook(lambda *_: calls.__setitem__("cross_keys", calls["cross_keys"] + 1))
+        for module in cross_key_projections
+    ]
+    try:
+        output = model.generate(**random_batch(base, 3, seed=7), max_new_tokens=20, return_dict_in_generate=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert output.decoding_stats.num_forwards > 3
+    assert calls == {"encoder": 1, "cross_keys": len(cross_key_projections)}
+
+
+def test_bench_fast_path_reports_each_step(tmp_path) -> None:
+    base, tokenizer = build_model("marian", seed=3), word_tokenizer()
+    model = heads_with_shortlist(base, seed=8)
+    checkpoint = tmp_path / "model"
+    base.save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    model.save_pretrained(checkpoint, base_model_name_or_path=".")
+    sources = tmp_path / "sources.txt"
+    sources.write_text("\n".join(" ".join(f"w{3 + (i * j) % 50}" for j in range(6 + i)) for i in range(4)) + "\n")
+    out = tmp_path / "bench"
+    arguments = ["bench", "--model", str(checkpoint), "--source-file", str(sources), "--fast-path"]
+    assert main([*arguments, "--batch-sizes", "1", "2", "--max-new-tokens", "8", "--out", str(out)]) == 0
+
+    rows = {(row["mode"], row["batch_size"]): row for row in json.loads((out / "bench.json").read_text())["results"]}
+    modes = {"greedy", "heads_full_vocab", "heads", "greedy_int8", "heads_int8"}
+    assert set(rows) == {(mode, batch) for mode in modes for batch in (1, 2)}
+    for (mode, _), row in rows.items():
+        assert row["sentences"] == 4 and 0.0 <= row["identical_rate"] <= 1.0, row
+        if mode in ("greedy", "heads_full_vocab", "heads", "greedy_int8"):  # lossless w.r.t. their reference
+            assert row["identical_rate"] == 1.0, row
+    assert rows[("heads_int8", 1)]["forwards_per_token"] <= rows[("greedy_int8", 1)]["forwards_per_token"]
+    assert "int8 modes: the int8 model" in (out / "bench.md").read_text()
