@@ -59,11 +59,8 @@ def shortlist_projection(base_model: nn.Module, shortlist: torch.Tensor) -> tupl
         `(shortlist_size,)`, or `None` when the base adds none).
     """
     projection = base_model.get_output_embeddings()
-    weight, bias = projection.weight, getattr(projection, "bias", None)
-    if callable(weight):  # an int8 dynamically quantized layer keeps its weights packed behind methods
-        weight, bias = weight().dequantize(), bias()
-    weight = weight[shortlist]
-    bias = None if bias is None else bias[shortlist]
+    weight = projection.weight[shortlist]
+    bias = None if getattr(projection, "bias", None) is None else projection.bias[shortlist]
     final_logits_bias = getattr(base_model, "final_logits_bias", None)
     if final_logits_bias is not None:
         extra = final_logits_bias.reshape(-1)[shortlist].to(weight.dtype)
