@@ -37,6 +37,10 @@ class BlockwiseConfig:
             When set, the heads propose only among this many token ids (stored with the head weights, see
             [`BlockwiseHeadsModel.set_shortlist`]): drafting projects onto the shortlist instead of the whole
             vocabulary (Devlin 2017). Verification keeps the full vocabulary, so the output does not change.
+        condition_on_token (`bool`, defaults to `False`):
+            Heads also read the embedding of the token the base model chose from the same decoder state (when
+            drafting: the last verified token). Stern's heads see the state only and must infer that choice
+            from it; being told it, as Hydra-style heads are, makes the longer-range guesses easier.
     """
 
     block_size: int = 4
@@ -46,6 +50,7 @@ class BlockwiseConfig:
     hidden_size: int | None = None
     vocab_size: int | None = None
     shortlist_size: int | None = None
+    condition_on_token: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 2:
@@ -56,6 +61,8 @@ class BlockwiseConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if not isinstance(self.condition_on_token, bool):
+            raise ValueError(f"condition_on_token must be a bool, got {self.condition_on_token!r}")
         for name in ("base_model_name_or_path", "base_model_type"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):

@@ -127,7 +127,10 @@ class HeadsDrafter(Drafter):
         if request.last_states is None:
             return Drafts.empty(batch_size, request.lengths.device)
         states = request.last_states.to(self.model.heads.up.weight.dtype)
-        head_states = self.model.heads(states, num_heads=self.block_size - 1)  # (B, k-1, d)
+        # the last verified token is the base model's own choice from `last_states`
+        last_tokens = request.sequences.gather(1, (request.lengths - 1).clamp(min=0)[:, None])[:, 0]  # (B,)
+        chosen = self.model.chosen_token_embeddings(last_tokens)  # (B, e) or None
+        head_states = self.model.heads(states, num_heads=self.block_size - 1, token_embeddings=chosen)  # (B, k-1, d)
         if self._shortlist_projection is None:
             tokens = output_projection_logits(self.model.base_model, head_states).argmax(dim=-1)  # (B, k-1)
         else:

@@ -19,13 +19,23 @@ class BlockwiseHeads(nn.Module):
         head_hidden_size (`int`): hidden width of one head.
         num_heads (`int`): k − 1.
         shortlist_size (`int`, *optional*): size of the `shortlist` buffer of token ids the heads propose from.
+        token_embedding_size (`int`, *optional*): when set, the hidden layer also reads the embedding of the
+            token chosen from each state (`BlockwiseConfig.condition_on_token`).
     """
 
-    def __init__(self, hidden_size: int, head_hidden_size: int, num_heads: int, shortlist_size: int | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        head_hidden_size: int,
+        num_heads: int,
+        shortlist_size: int | None = None,
+        token_embedding_size: int | None = None,
+    ):
         super().__init__()
         self.hidden_size = hidden_size
         self.num_heads = num_heads
-        self.up = nn.Linear(hidden_size, num_heads * head_hidden_size)
+        self.token_embedding_size = token_embedding_size
+        self.up = nn.Linear(hidden_size + (token_embedding_size or 0), num_heads * head_hidden_size)
         self.down = nn.Linear(num_heads * head_hidden_size, num_heads * hidden_size)
         nn.init.zeros_(self.down.weight)
         nn.init.zeros_(self.down.bias)
@@ -34,19 +44,29 @@ class BlockwiseHeads(nn.Module):
         self.shortlist: torch.Tensor | None
         self.register_buffer("shortlist", shortlist)
 
-    def forward(self, states: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+    def forward(
+        self, states: torch.Tensor, num_heads: int | None = None, token_embeddings: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """
         Args:
             states (`torch.Tensor` of shape `(..., hidden_size)`): decoder states at the output projection.
             num_heads (`int`, *optional*): evaluate only the first `num_heads` heads. The shared hidden layer
                 is computed in full, but only their rows of the output layer are, which is most of the cost.
+            token_embeddings (`torch.Tensor` of shape `(..., token_embedding_size)`, *optional*): embeddings of
+                the tokens chosen from `states`; required exactly when the heads were built to read them.
 
         Returns:
             `torch.Tensor` of shape `(..., num_heads, hidden_size)`: one state per head.
         """
+        if (token_embeddings is None) != (self.token_embedding_size is None):
+            raise ValueError(
+                "These heads were built with token_embedding_size="
+                f"{self.token_embedding_size}; pass token_embeddings exactly when it is set"
+            )
         num_heads = self.num_heads if num_heads is None else num_heads
         rows = num_heads * self.hidden_size
-        hidden = torch.relu(self.up(states))  # (..., K * head_hidden)
+        inputs = states if token_embeddings is None else torch.cat([states, token_embeddings.to(states)], dim=-1)
+        hidden = torch.relu(self.up(inputs))  # (..., K * head_hidden)
         updates = nn.functional.linear(hidden, self.down.weight[:rows], self.down.bias[:rows])  # (..., n * d)
         return states.unsqueeze(-2) + updates.unflatten(-1, (num_heads, self.hidden_size))
 

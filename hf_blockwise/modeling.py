@@ -135,11 +135,15 @@ class BlockwiseHeadsModel(nn.Module):
         )
         self.base_model = base_model
         projection = base_model.get_output_embeddings().weight
+        token_embedding_size = None
+        if self.blockwise_config.condition_on_token:
+            token_embedding_size = base_model.get_decoder().get_input_embeddings().weight.shape[1]
         self.heads = BlockwiseHeads(
             signature["hidden_size"],
             self.blockwise_config.head_hidden_size,
             self.blockwise_config.num_heads,
             self.blockwise_config.shortlist_size,
+            token_embedding_size,
         )
         self.heads.to(device=projection.device, dtype=projection.dtype)
 
@@ -155,6 +159,20 @@ class BlockwiseHeadsModel(nn.Module):
     @property
     def generation_config(self):
         return self.base_model.generation_config
+
+    def chosen_token_embeddings(self, token_ids: torch.Tensor) -> torch.Tensor | None:
+        """What token-conditioned heads read besides the state: the base decoder's input embedding of the token
+        chosen from that state (`None` for heads that read the state only).
+
+        Args:
+            token_ids (`torch.LongTensor` of shape `(...)`).
+
+        Returns:
+            `torch.Tensor` of shape `(..., embedding_size)`, or `None`.
+        """
+        if not self.blockwise_config.condition_on_token:
+            return None
+        return self.base_model.get_decoder().get_input_embeddings()(token_ids)
 
     def drafter(self, block_size: int | None = None, use_shortlist: bool = True) -> Drafter:
         """The [`HeadsDrafter`] that proposes tokens with this model's heads (the first `block_size - 1`)."""
@@ -206,7 +224,9 @@ class BlockwiseHeadsModel(nn.Module):
                 return_dict=True,
                 **kwargs,
             )
-        head_states = self.heads(captured[-1])  # (B, T, k-1, d)
+        # the token the base picks from each state: at inference, the last verified token (greedy's choice)
+        chosen = self.chosen_token_embeddings(outputs.logits.detach().argmax(dim=-1))  # (B, T, e) or None
+        head_states = self.heads(captured[-1], token_embeddings=chosen)  # (B, T, k-1, d)
         if labels is None:
             head_logits = output_projection_logits(self.base_model, head_states)  # (B, T, k-1, V)
             return BlockwiseHeadsOutput(logits=outputs.logits, head_logits=head_logits)

@@ -42,7 +42,7 @@ GENERATE_ARGUMENTS = {
     },
 }
 
-DRAFTERS = ["heads", "zero_heads", "noisy_oracle", "input_copy"]
+DRAFTERS = ["heads", "token_heads", "zero_heads", "noisy_oracle", "input_copy"]
 
 # Every acceptance rule with the parameters that make it exact (k=1, ε=0, β=1, τ=0, minimum block 1).
 LOSSLESS_RULES = {
@@ -55,8 +55,8 @@ LOSSLESS_RULES = {
 }
 
 
-def heads_model(base, block_size: int, seed: int, zero: bool) -> BlockwiseHeadsModel:
-    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=block_size))
+def heads_model(base, block_size: int, seed: int, zero: bool, condition_on_token: bool = False) -> BlockwiseHeadsModel:
+    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=block_size, condition_on_token=condition_on_token))
     if not zero:
         torch.manual_seed(seed)
         torch.nn.init.normal_(model.heads.down.weight, std=1.0)
@@ -81,8 +81,10 @@ def assert_same_as_greedy(base, batch, greedy: torch.Tensor, blockwise: torch.Te
 
 
 def blockwise_output(base, batch, greedy, drafter_name: str, block_size: int, seed: int, rule, kwargs) -> torch.Tensor:
-    if drafter_name in ("heads", "zero_heads"):
-        model = heads_model(base, block_size, seed, zero=drafter_name == "zero_heads")
+    if drafter_name in ("heads", "token_heads", "zero_heads"):
+        model = heads_model(
+            base, block_size, seed, zero=drafter_name == "zero_heads", condition_on_token=drafter_name == "token_heads"
+        )
         return model.generate(**batch, acceptance=rule, **kwargs)
     if drafter_name == "noisy_oracle":
         drafter = OracleDrafter(greedy, block_size=block_size, corruption=0.3, seed=seed)

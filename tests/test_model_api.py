@@ -321,3 +321,25 @@ def test_fewer_heads_propose_the_prefix_of_all_heads(tiny_models) -> None:
     assert torch.equal(model.generate(**batch, assistant=model.drafter(block_size=3), max_new_tokens=15), greedy)
     with pytest.raises(ValueError, match="block_size must be between 2 and the model's block size 6"):
         model.drafter(block_size=7)
+
+
+@pytest.mark.parametrize("architecture", ["t5", "marian"])
+def test_token_conditioned_heads_train_save_and_reload(tmp_path, tiny_models, architecture: str) -> None:
+    """Heads that also read the chosen token: the loss reaches their token input, and they round-trip."""
+    base = tiny_models[architecture]
+    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3, condition_on_token=True))
+    assert model.heads.up.in_features == 2 * base.config.d_model
+    batch = random_batch(base, 2, seed=6)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    torch.nn.init.normal_(model.heads.down.weight, std=0.1)
+    model(**batch, labels=labels).loss.backward()
+    token_columns = model.heads.up.weight.grad[:, base.config.d_model :]
+    assert token_columns.abs().sum() > 0
+    with pytest.raises(ValueError, match="token_embeddings exactly when"):
+        model.heads(torch.zeros(1, base.config.d_model))
+
+    model.save_pretrained(tmp_path)
+    reloaded = BlockwiseHeadsModel.from_pretrained(tmp_path, base_model=base)
+    assert reloaded.blockwise_config.condition_on_token
+    assert torch.equal(reloaded.heads.up.weight, model.heads.up.weight)
+    assert torch.equal(reloaded.generate(**batch, max_new_tokens=10), base.generate(**batch, max_new_tokens=10))

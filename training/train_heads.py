@@ -57,6 +57,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="checkpoints/heads-k4", help="output / checkpoint directory")
     parser.add_argument("--block-size", type=int, default=4, help="k: tokens per step, k - 1 heads")
     parser.add_argument("--head-hidden-size", type=int, default=None, help="hidden width per head")
+    parser.add_argument(
+        "--condition-on-token", action="store_true", help="heads also read the token the base chose (see config)"
+    )
     parser.add_argument("--targets", choices=["gold", "distilled"], default="distilled")
     parser.add_argument("--teacher-beams", type=int, default=1, help="beam size of the distillation teacher")
     parser.add_argument(
@@ -107,6 +110,8 @@ def ship(model: BlockwiseHeadsModel, tokenizer, directory: str, results: dict) -
 
 
 def model_card(model: BlockwiseHeadsModel, results: dict) -> str:
+    size = model.blockwise_config.shortlist_size
+    shortlist = "" if size is None else f"; they propose among the {size} most frequent target tokens (shortlist)"
     return f"""# multi30k-en-de: a small Marian-style en→de model with blockwise proposal heads
 
 Research artefact trained here from scratch by `training/train_base.py` and `training/train_heads.py`.
@@ -117,7 +122,8 @@ Research artefact trained here from scratch by `training/train_base.py` and `tra
   {results["num_sentences"]} sentences of test_2016_flickr: {results["greedy_bleu"]:.1f} (sacreBLEU, cased,
   detokenized).
 - **Heads**: block size k = {model.blockwise_config.block_size} ({model.blockwise_config.num_heads} heads, hidden
-  {model.blockwise_config.head_hidden_size} each), trained with the base frozen on {results["targets"]} targets.
+  {model.blockwise_config.head_hidden_size} each), trained with the base frozen on {results["targets"]} targets
+  for {results["epochs"]:g} epochs{shortlist}.
 - **Decoding**: lossless (exact acceptance): blockwise output = greedy output.
   Mean accepted block on the same sentences, decoded in batches of {results["batch_size"]}:
   {results["mean_accepted"]:.2f}; identical to greedy: {results["identical"]}/{results["num_sentences"]}; wall-clock
@@ -168,7 +174,10 @@ def train(args: argparse.Namespace):
     train_dataset = encode(tokenizer, sources, targets)
 
     config = BlockwiseConfig(
-        block_size=args.block_size, head_hidden_size=args.head_hidden_size, base_model_name_or_path=args.base
+        block_size=args.block_size,
+        head_hidden_size=args.head_hidden_size,
+        condition_on_token=args.condition_on_token,
+        base_model_name_or_path=args.base,
     )
     model = BlockwiseHeadsModel(base, config)
     training_args = BlockwiseTrainingArguments(
@@ -221,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "base_training": args.base_training,
         "block_size": args.block_size,
         "head_hidden_size": model.blockwise_config.head_hidden_size,
+        "epochs": args.epochs,
         "shortlist_size": model.blockwise_config.shortlist_size,
         "world_size": state.num_processes,
         "wall_time_s": round(time.time() - started, 1),

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Regenerates every benchmark figure quoted in docs/results.md (about 15 minutes on a 2-core CPU; run it on an
+# otherwise idle machine: timings are ratios measured in the same run, but a busy machine skews them).
+# Needs the offline data sets in ../shared/data beside the repository.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+data=../shared/data
+mt=hf_blockwise/pretrained/multi30k-en-de
+gec=hf_blockwise/pretrained/gec-en
+
+# Multi30k en→de, shipped model: every mode at batch 1 and 16 (2 threads), with the decoder cost curve
+hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz \
+    --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 300 --batch-sizes 1 16 --threads 2 \
+    --cost-curve --out docs/bench/multi30k
+# the CPU fast path step by step, single thread (Devlin 2017's words/s)
+hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz \
+    --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 300 --batch-sizes 1 --threads 1 \
+    --fast-path --out docs/bench/multi30k-fast-path
+# error correction with input-guided drafts (Ge et al. Table 1 shape): JFLEG dev and W&I+LOCNESS dev
+hf-blockwise bench --model $gec --source-file $data/jfleg/dev.src --reference-file $data/jfleg/dev.ref0 \
+    --modes greedy prompt_lookup iad --batch-sizes 1 --threads 2 --out docs/bench/gec-jfleg
+hf-blockwise bench --model $gec --source-file $data/gec_wi_locness/dev.src.gz \
+    --reference-file $data/gec_wi_locness/dev.tgt.gz --sentences 300 --modes greedy prompt_lookup iad \
+    --batch-sizes 1 --threads 2 --out docs/bench/gec-wi-locness
