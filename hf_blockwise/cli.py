@@ -33,7 +33,12 @@ def _median_seconds(function: Callable[[], object], repeats: int) -> float:
 
 
 def run_demo(
-    model_path: str, sentences: Sequence[str], repeats: int, threads: int | None, max_new_tokens: int = 128
+    model_path: str,
+    sentences: Sequence[str],
+    repeats: int,
+    threads: int | None,
+    max_new_tokens: int = 128,
+    int8: bool = False,
 ) -> int:
     from transformers import AutoTokenizer
     from transformers.utils import logging as transformers_logging
@@ -48,9 +53,14 @@ def run_demo(
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     # stored in fp16 to stay small; CPU matmuls are fast in fp32
     model = BlockwiseHeadsModel.from_pretrained(model_path, dtype=torch.float32).eval()
+    if int8:
+        from .quantization import quantize_dynamic_int8
+
+        quantize_dynamic_int8(model)  # greedy below is then the int8 model's greedy too
     base = model.base_model
     block_size = model.blockwise_config.block_size
-    print(f"model: {model_path} (block size k={block_size}), {torch.get_num_threads()} threads, batch 1")
+    precision = "int8" if int8 else "fp32"
+    print(f"model: {model_path} (block size k={block_size}, {precision}), {torch.get_num_threads()} threads, batch 1")
 
     greedy_outputs, blockwise_outputs, accepted = [], [], []
     greedy_time = blockwise_time = 0.0
@@ -180,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--repeats", type=int, default=5, help="timing runs per sentence (median is reported)")
     demo.add_argument("--max-new-tokens", type=int, default=128)
     demo.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    demo.add_argument("--int8", action="store_true", help="quantize the base to int8 first (CPU; both modes)")
     demo.add_argument("sentences", nargs="*", help="English sentences to translate (default: built-in examples)")
     bench = commands.add_parser("bench", help="every decoding mode side by side, measured against greedy")
     bench.add_argument("--model", default=SHIPPED_MODEL, help="seq2seq model directory, with or without heads")
@@ -205,7 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         return run_bench_command(args)
     if args.command == "demo":
-        return run_demo(args.model, args.sentences or DEMO_SENTENCES, args.repeats, args.threads, args.max_new_tokens)
+        sentences = args.sentences or DEMO_SENTENCES
+        return run_demo(args.model, sentences, args.repeats, args.threads, args.max_new_tokens, args.int8)
     return 2
 
 

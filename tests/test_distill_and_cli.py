@@ -58,6 +58,10 @@ def test_demo_runs_offline_on_a_saved_directory(tmp_path, capsys) -> None:
     )
     printed = capsys.readouterr().out
     assert printed.count("[identical: True]") == 2 and "mean accepted block" in printed and "speedup" in printed
+    arguments = ["demo", "--model", str(tmp_path), "--repeats", "1", "--max-new-tokens", "20", "--int8", "w5 w6 w7"]
+    assert main(arguments) == 0
+    printed = capsys.readouterr().out
+    assert "int8" in printed and printed.count("[identical: True]") == 1
     with pytest.raises(SystemExit, match="No checkpoint"):
         main(["demo", "--model", str(tmp_path / "missing")])
 
