@@ -9,6 +9,7 @@ per output token, mean accepted block, identical-to-greedy rate and BLEU against
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gzip
 import json
 import os
@@ -28,14 +29,14 @@ from .serialization import atomic_write_text
 
 MODE_NAMES = (
     "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_full_vocab", "heads_top2", "iad",
-    "greedy_int8", "heads_int8",
+    "greedy_int8", "heads_int8", "iad_int8",
 )  # fmt: skip
 DEFAULT_MODES = ("greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_top2", "iad")
 # The CPU fast path, step by step (Devlin 2017, Table 1): blockwise heads drafting over the whole vocabulary,
 # + the heads' vocabulary shortlist, + int8 matrix products (with int8 greedy as that step's exact reference).
 FAST_PATH_MODES = ("greedy", "heads_full_vocab", "heads", "greedy_int8", "heads_int8")
 BATCH_ONE_ONLY = {"prompt_lookup", "assisted"}  # transformers' assisted generation decodes one row at a time
-INT8_MODES = {"greedy_int8", "heads_int8"}
+INT8_MODES = {"greedy_int8", "heads_int8", "iad_int8"}
 
 
 def reference_mode(mode: str) -> str:
@@ -52,6 +53,7 @@ class BenchSetup:
         heads_model: a [`BlockwiseHeadsModel`] around `base`, for the heads modes.
         assistant_model: a smaller transformers model for transformers' assisted generation.
         max_new_tokens (`int`): length limit of every mode.
+        iad_max_draft_length (`int`): most source tokens the IAD modes draft per step.
     """
 
     base: nn.Module
@@ -59,6 +61,7 @@ class BenchSetup:
     heads_model: nn.Module | None = None
     assistant_model: nn.Module | None = None
     max_new_tokens: int = 128
+    iad_max_draft_length: int = 32
 
     def int8_copy(self) -> BenchSetup:
         """The same setup with int8 dynamically quantized copies of the base (and of the heads model's base)."""
@@ -68,9 +71,7 @@ class BenchSetup:
         quantized = quantize_dynamic_int8(copy.deepcopy(source))
         heads_model = quantized if self.heads_model is not None else None
         base = quantized.base_model if heads_model is not None else quantized
-        return BenchSetup(
-            base=base, tokenizer=self.tokenizer, heads_model=heads_model, max_new_tokens=self.max_new_tokens
-        )
+        return dataclasses.replace(self, base=base, heads_model=heads_model, assistant_model=None)
 
 
 @dataclass
@@ -165,7 +166,7 @@ def mode_runner(mode: str, setup: BenchSetup) -> Callable[[dict[str, torch.Tenso
             **batch, assistant=drafter, acceptance=rule, max_new_tokens=limit, return_dict_in_generate=True
         )
     if mode == "iad":
-        drafter = InputCopyDrafter(base)
+        drafter = InputCopyDrafter(base, max_draft_length=setup.iad_max_draft_length)
         return lambda batch: base.generate(
             **batch, custom_generate=blockwise_generate, assistant=drafter, max_new_tokens=limit,
             return_dict_in_generate=True,

@@ -96,7 +96,7 @@ def run_demo(
     return 0 if identical == len(sentences) else 1
 
 
-def load_for_bench(model_path: str, assistant_path: str | None, max_new_tokens: int):
+def load_for_bench(model_path: str, assistant_path: str | None, max_new_tokens: int, iad_max_draft_length: int = 32):
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
     from .bench import BenchSetup
@@ -115,7 +115,7 @@ def load_for_bench(model_path: str, assistant_path: str | None, max_new_tokens: 
         assistant = AutoModelForSeq2SeqLM.from_pretrained(assistant_path, dtype=torch.float32).eval()
     return BenchSetup(
         base=base, tokenizer=tokenizer, heads_model=heads_model, assistant_model=assistant,
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=max_new_tokens, iad_max_draft_length=iad_max_draft_length,
     )  # fmt: skip
 
 
@@ -139,7 +139,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.sentences:
         sources = sources[: args.sentences]
         references = references[: args.sentences] if references is not None else None
-    setup = load_for_bench(args.model, args.assistant_model, args.max_new_tokens)
+    setup = load_for_bench(args.model, args.assistant_model, args.max_new_tokens, args.iad_max_draft_length)
     curve = write_cost_curve(setup, sources[0], args.out) if args.cost_curve else None
     modes = args.modes or list(FAST_PATH_MODES if args.fast_path else DEFAULT_MODES)
     results = run_bench(setup, sources, references, modes, args.batch_sizes)
@@ -208,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the CPU fast path step by step: " + ", then ".join(FAST_PATH_MODES) + " (int8 needs a CPU)",
     )
     bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--iad-max-draft-length", type=int, default=32, help="source tokens IAD drafts per step")
     bench.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 = Devlin's words/s)")
     bench.add_argument("--out", default="bench", help="directory for bench.json, bench.md, bench.png")
     bench.add_argument("--quick", action="store_true", help="at most 16 sentences: a run of about a minute")

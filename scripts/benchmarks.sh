@@ -18,7 +18,7 @@ hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.
     --fast-path --out docs/bench/multi30k-fast-path
 # error correction with input-guided drafts (Ge et al. Table 1 shape): JFLEG dev and W&I+LOCNESS dev
 hf-blockwise bench --model $gec --source-file $data/jfleg/dev.src --reference-file $data/jfleg/dev.ref0 \
-    --modes greedy prompt_lookup iad --batch-sizes 1 --threads 2 --out docs/bench/gec-jfleg
+    --modes greedy prompt_lookup iad greedy_int8 iad_int8 --batch-sizes 1 --threads 2 --out docs/bench/gec-jfleg
 hf-blockwise bench --model $gec --source-file $data/gec_wi_locness/dev.src.gz \
     --reference-file $data/gec_wi_locness/dev.tgt.gz --sentences 300 --modes greedy prompt_lookup iad \
-    --batch-sizes 1 --threads 2 --out docs/bench/gec-wi-locness
+    greedy_int8 iad_int8 --batch-sizes 1 --threads 2 --out docs/bench/gec-wi-locness

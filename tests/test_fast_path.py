@@ -129,3 +129,9 @@ def test_bench_fast_path_reports_each_step(tmp_path) -> None:
         assert row["identical_rate"] == 1.0 and row["sentences"] == 4, row
     assert rows[("heads_int8", 1)]["forwards_per_token"] <= rows[("greedy_int8", 1)]["forwards_per_token"]
     assert "int8 modes: the int8 model" in (out / "bench.md").read_text()
+
+    iad_arguments = ["--modes", "iad", "iad_int8", "--iad-max-draft-length", "4", "--batch-sizes", "2"]
+    assert main([*arguments[:-1], *iad_arguments, "--max-new-tokens", "8", "--out", str(out)]) == 0
+    rows = {row["mode"]: row for row in json.loads((out / "bench.json").read_text())["results"]}
+    assert set(rows) == {"greedy", "greedy_int8", "iad", "iad_int8"}  # each mode brings its greedy reference
+    assert all(row["identical_rate"] == 1.0 for row in rows.values()), rows

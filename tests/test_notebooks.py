@@ -7,6 +7,7 @@ points them at the shipped checkpoints and `../shared/data` and shrinks the work
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -15,6 +16,7 @@ from nbclient import NotebookClient
 
 from hf_blockwise.cli import SHIPPED_MODEL
 
+SHIPPED_GEC_MODEL = str(Path(SHIPPED_MODEL).parent / "gec-en")
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -93,3 +95,21 @@ def test_training_notebook_runs(tmp_path) -> None:
     plots = [out for cell in notebook.cells for out in cell.get("outputs", []) if out.output_type == "display_data"]
     assert plots, "the head-accuracy plot was not shown"
     assert (tmp_path / "run" / "final" / "blockwise_config.json").is_file()
+
+
+def test_error_correction_notebook_runs(tmp_path) -> None:
+    require_shared_data()
+    notebook = run_notebook(
+        "error_correction_iad.ipynb",
+        {
+            "MODEL_NAME": SHIPPED_GEC_MODEL,
+            "SOURCE_PREFIX": "",
+            "DATASET": str(SHARED_DATA / "jfleg"),
+            "NUM_SENTENCES": 4,
+        },
+        tmp_path,
+    )
+    output = text_output(notebook)
+    # IAD reproduces greedy decoding on every sentence
+    assert re.search(r"IAD: [0-9.]+x greedy, identical 4/4", output), output
+    assert "IAD mean accepted tokens per decoder call" in output
