@@ -123,9 +123,8 @@ def available_modes(setup: BenchSetup, requested: Sequence[str]) -> list[str]:
             print("skipping iad: source and target vocabularies differ")
         else:
             modes.append(mode)
-    for needed in ("greedy_int8", "greedy"):
-        if needed not in modes and any(reference_mode(mode) == needed for mode in modes):
-            modes.insert(0, needed)
+    if "greedy_int8" not in modes and INT8_MODES & set(modes):
+        modes.insert(0, "greedy_int8")
     if "greedy" not in modes:
         modes.insert(0, "greedy")
     # references first: each batch is decoded by the modes in this order, and others are compared with them

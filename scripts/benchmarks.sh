@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates every benchmark figure quoted in docs/results.md (about 15 minutes on a 2-core CPU; run it on an
+# Regenerates every benchmark figure quoted in docs/results.md (about 25 minutes on a 2-core CPU; run it on an
 # otherwise idle machine: timings are ratios measured in the same run, but a busy machine skews them).
 # Needs the offline data sets in ../shared/data beside the repository.
 set -euo pipefail
@@ -22,3 +22,9 @@ hf-blockwise bench --model $gec --source-file $data/jfleg/dev.src --reference-fi
 hf-blockwise bench --model $gec --source-file $data/gec_wi_locness/dev.src.gz \
     --reference-file $data/gec_wi_locness/dev.tgt.gz --sentences 300 --modes greedy prompt_lookup iad \
     greedy_int8 iad_int8 --batch-sizes 1 --threads 2 --out docs/bench/gec-wi-locness
+# IAD draft length: Ge drafts the whole rest of the source; on a CPU a wide verification pass costs more
+for length in 8 16; do
+    hf-blockwise bench --model $gec --source-file $data/jfleg/dev.src --reference-file $data/jfleg/dev.ref0 \
+        --sentences 300 --modes greedy iad greedy_int8 iad_int8 --iad-max-draft-length $length --batch-sizes 1 \
+        --threads 2 --out docs/bench/gec-jfleg-draft$length
+done
