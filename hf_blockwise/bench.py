@@ -98,11 +98,12 @@ class ModeResult:
         figures["tokens_per_second"] = self.target_tokens / self.seconds if self.seconds else None
         figures["words_per_second"] = self.words / self.seconds if self.seconds else None
         figures["forwards_per_token"] = self.decoder_forwards / max(self.target_tokens, 1)
-        figures["mean_accepted"] = (
-            self.accepted_sum / self.accepted_steps
-            if self.accepted_steps
-            else self.target_tokens / max(self.decoder_forwards, 1)
-        )
+        if self.accepted_steps:
+            figures["mean_accepted"] = self.accepted_sum / self.accepted_steps
+        elif self.batch_size == 1:  # one row: tokens per decoder call
+            figures["mean_accepted"] = self.target_tokens / max(self.decoder_forwards, 1)
+        else:  # transformers' modes report no per-row steps, and a batched call decodes many rows at once
+            figures["mean_accepted"] = None
         figures["identical_rate"] = self.identical / max(self.sentences, 1)
         for key in ("accepted_sum", "accepted_steps"):
             figures.pop(key)
@@ -282,11 +283,12 @@ def markdown_table(results: Sequence[ModeResult], header: str) -> str:
         figures = result.summary()
         bleu = "" if result.bleu is None else f"{result.bleu:.2f}"
         ceiling = "" if result.speedup_ceiling is None else f"{result.speedup_ceiling:.2f}x"
+        accepted = "" if figures["mean_accepted"] is None else f"{figures['mean_accepted']:.2f}"
         lines.append(
             f"| {result.batch_size} | {result.mode} | {result.speedup:.2f}x | {ceiling} | "
             f"{figures['tokens_per_second']:.0f} | "
             f"{figures['words_per_second']:.0f} | {figures['forwards_per_token']:.2f} | "
-            f"{figures['mean_accepted']:.2f} | {result.identical}/{result.sentences} | {bleu} |"
+            f"{accepted} | {result.identical}/{result.sentences} | {bleu} |"
         )
     lines += ["", "¹ outputs equal, token for token, to greedy decoding of the same model (int8 modes: the int8 model)"]
     return "\n".join(lines) + "\n"
@@ -303,6 +305,8 @@ def plot(results: Sequence[ModeResult], path: str) -> None:
     for result in results:
         figures = result.summary()
         label = f"{result.mode} (b={result.batch_size})"
+        if figures["mean_accepted"] is None:
+            continue
         speed_axis.scatter(figures["mean_accepted"], result.speedup, label=label)
         if result.bleu is not None:
             quality_axis.scatter(figures["mean_accepted"], result.bleu, label=label)
