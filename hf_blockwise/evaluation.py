@@ -97,13 +97,9 @@ def compare_to_greedy(
         raise ValueError("compare_to_greedy needs at least one source sentence")
     if references is not None and len(references) != len(sources):
         raise ValueError(f"{len(sources)} sources but {len(references)} references")
-    from .modeling import BlockwiseHeadsModel
+    from .modeling import unwrap_base
 
-    # not getattr(model, "base_model", model): every transformers model has that attribute (its bare backbone)
-    if base_model is not None:
-        base = base_model
-    else:
-        base = model.base_model if isinstance(model, BlockwiseHeadsModel) else model
+    base = base_model if base_model is not None else unwrap_base(model)
     pad_token_id = base.config.pad_token_id
     device = next(base.parameters()).device
     batches = [

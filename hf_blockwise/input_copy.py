@@ -126,9 +126,9 @@ class InputCopyDrafter(Drafter):
     def __init__(self, model: nn.Module, max_draft_length: int = 32, max_ngram: int = 8) -> None:
         if max_draft_length < 1 or max_ngram < 1:
             raise ValueError(f"max_draft_length and max_ngram must be >= 1, got {max_draft_length}, {max_ngram}")
-        from .modeling import BlockwiseHeadsModel
+        from .modeling import unwrap_base
 
-        check_shared_vocabulary(model.base_model if isinstance(model, BlockwiseHeadsModel) else model)
+        check_shared_vocabulary(unwrap_base(model))
         self.block_size = max_draft_length + 1
         self.max_ngram = max_ngram
 

@@ -224,8 +224,10 @@ class BlockwiseHeadsModel(nn.Module):
                 return_dict=True,
                 **kwargs,
             )
-        # the token the base picks from each state: at inference, the last verified token (greedy's choice)
-        chosen = self.chosen_token_embeddings(outputs.logits.detach().argmax(dim=-1))  # (B, T, e) or None
+        chosen = None
+        if self.blockwise_config.condition_on_token:
+            # the token the base picks from each state: at inference, the last verified token (greedy's choice)
+            chosen = self.chosen_token_embeddings(outputs.logits.detach().argmax(dim=-1))  # (B, T, e)
         head_states = self.heads(captured[-1], token_embeddings=chosen)  # (B, T, k-1, d)
         if labels is None:
             head_logits = output_projection_logits(self.base_model, head_states)  # (B, T, k-1, V)
@@ -323,6 +325,15 @@ class BlockwiseHeadsModel(nn.Module):
         model = cls(base_model, config)
         model.heads.load_state_dict(_load_head_weights(_resolve(heads_name_or_path, WEIGHTS_NAME), model.heads))
         return model
+
+
+def unwrap_base(model: nn.Module) -> nn.Module:
+    """The transformers model inside a [`BlockwiseHeadsModel`], or `model` itself.
+
+    Not `getattr(model, "base_model", model)`: every transformers model has a `base_model` attribute too (its
+    bare backbone, without the output layer).
+    """
+    return model.base_model if isinstance(model, BlockwiseHeadsModel) else model
 
 
 def heads_cross_entropy(

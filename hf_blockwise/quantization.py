@@ -70,9 +70,9 @@ def quantize_dynamic_int8(model: nn.Module) -> nn.Module:
     Returns:
         The same `model`, for chaining.
     """
-    from .modeling import BlockwiseHeadsModel
+    from .modeling import unwrap_base
 
-    base = model.base_model if isinstance(model, BlockwiseHeadsModel) else model
+    base = unwrap_base(model)
     devices = {parameter.device.type for parameter in base.parameters()}
     if devices != {"cpu"}:
         raise ValueError(
