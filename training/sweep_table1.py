@@ -145,7 +145,7 @@ def markdown_table(results: dict[str, dict], base_bleu: float, args: argparse.Na
             + ".",
             "",
             "How it was made: one model with k = 10 per setting (smaller k use its first k − 1 heads), heads of "
-            f"{args.head_hidden_size} hidden units each, {args.epochs:g} epoch on "
+            f"{args.head_hidden_size} hidden units each, {args.epochs:g} epoch(s) on "
             f"{'the first ' + str(args.train_sentences) if args.train_sentences else 'all 29,000'} "
             "training pairs; distilled targets are the base's greedy outputs. In the fine-tuned settings the base "
             "itself is trained too, so their BLEU is that of the changed model (exact with respect to it).",
@@ -153,8 +153,9 @@ def markdown_table(results: dict[str, dict], base_bleu: float, args: argparse.Na
             "Regenerate:",
             "",
             "```",
-            "python training/sweep_table1.py --base checkpoints/base-multi30k --out checkpoints/table1 \\",
-            "    --distilled-cache checkpoints/heads-k4/distilled-beam1.jsonl "
+            f"python training/sweep_table1.py --base {args.base} --out {args.out} \\",
+            f"    --distilled-cache {args.distilled_cache} --settings {' '.join(args.settings)} \\",
+            f"    --epochs {args.epochs:g} --eval-sentences {args.eval_sentences} "
             + (f"--train-sentences {args.train_sentences} " if args.train_sentences else "")
             + f"--docs {args.docs}",
             "```",
