@@ -17,6 +17,7 @@ from .evaluation import Comparison, compare_to_greedy
 from .heads import BlockwiseHeads
 from .input_copy import InputCopyDrafter
 from .modeling import BlockwiseHeadsModel, BlockwiseHeadsOutput
+from .nar_drafter import NARDrafterConfig, NonAutoregressiveDrafter
 from .quantization import quantize_dynamic_int8
 from .shortlist import frequent_tokens
 
@@ -40,7 +41,9 @@ __all__ = [
     "HeadsDrafter",
     "InputCopyDrafter",
     "MinimumBlockAcceptance",
+    "NARDrafterConfig",
     "NoDrafter",
+    "NonAutoregressiveDrafter",
     "TopKAcceptance",
     "accepted_lengths",
     "blockwise_generate",

@@ -166,6 +166,34 @@ def capture_output_projection_input(model: nn.Module) -> Iterator[list[torch.Ten
         handle.remove()
 
 
+@contextmanager
+def project_columns(model: nn.Module, columns: torch.Tensor) -> Iterator[None]:
+    """Within the block, the model's output projection sees only the given decoder positions.
+
+    Seq2seq models in transformers project every decoder position onto the vocabulary; a drafter that needs
+    a few positions per row would spend most of its time there. The states are selected at the projection's
+    input, after whatever the architecture does before its logits, so the logits equal those of a full pass.
+
+    Args:
+        columns (`torch.LongTensor` of shape `(batch_size, num_columns)`): positions to keep per row; the model's
+            `logits` then have shape `(batch_size, num_columns, vocab_size)`.
+    """
+    projection = model.get_output_embeddings()
+    if projection is None:
+        raise ValueError(f"{type(model).__name__} has no output projection (get_output_embeddings() is None)")
+
+    def select(module: nn.Module, args: tuple) -> tuple:
+        states = args[0]  # (B, W, d)
+        index = columns[..., None].expand(-1, -1, states.shape[-1]).to(states.device)
+        return (states.gather(1, index), *args[1:])
+
+    handle = projection.register_forward_pre_hook(select)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def streamer_from_generate_call() -> BaseStreamer | None:
     """The `streamer` passed to the `GenerationMixin.generate` call that is running this loop, if any.
 

@@ -22,16 +22,16 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .acceptance import TopKAcceptance
+from .acceptance import GADPlusPlusAcceptance, TopKAcceptance
 from .decoding import blockwise_generate
 from .input_copy import InputCopyDrafter
 from .serialization import atomic_write_text
 
 MODE_NAMES = (
-    "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_full_vocab", "heads_top2", "iad",
-    "greedy_int8", "heads_int8", "iad_int8",
+    "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_full_vocab", "heads_top2", "iad", "gad",
+    "gad_pp", "greedy_int8", "heads_int8", "iad_int8",
 )  # fmt: skip
-DEFAULT_MODES = ("greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_top2", "iad")
+DEFAULT_MODES = ("greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_top2", "iad", "gad", "gad_pp")
 # The CPU fast path, step by step (Devlin 2017, Table 1): blockwise heads drafting over the whole vocabulary,
 # + the heads' vocabulary shortlist, + int8 matrix products (with int8 greedy as that step's exact reference).
 FAST_PATH_MODES = ("greedy", "heads_full_vocab", "heads", "greedy_int8", "heads_int8")
@@ -54,6 +54,9 @@ class BenchSetup:
         assistant_model: a smaller transformers model for transformers' assisted generation.
         max_new_tokens (`int`): length limit of every mode.
         iad_max_draft_length (`int`): most source tokens the IAD modes draft per step.
+        nar_drafter ([`NonAutoregressiveDrafter`], *optional*): the drafter of the GAD modes.
+        gad_block_size (`int`, *optional*): tokens per GAD step (default: the drafter's trained block size).
+        gad_top_beta (`int`), gad_tolerance (`float`): GAD++'s β and τ (mode `gad_pp`).
     """
 
     base: nn.Module
@@ -62,6 +65,10 @@ class BenchSetup:
     assistant_model: nn.Module | None = None
     max_new_tokens: int = 128
     iad_max_draft_length: int = 32
+    nar_drafter: Any = None
+    gad_block_size: int | None = None
+    gad_top_beta: int = 3
+    gad_tolerance: float = 1.0
 
     def int8_copy(self) -> BenchSetup:
         """The same setup with int8 dynamically quantized copies of the base (and of the heads model's base)."""
@@ -120,6 +127,8 @@ def available_modes(setup: BenchSetup, requested: Sequence[str]) -> list[str]:
             print(f"skipping {mode}: the model has no proposal heads")
         elif mode == "assisted" and setup.assistant_model is None:
             print("skipping assisted: pass --assistant-model")
+        elif mode.startswith("gad") and setup.nar_drafter is None:
+            print(f"skipping {mode}: pass --nar-drafter")
         elif mode == "iad" and not _shares_vocabulary(setup.base):
             print("skipping iad: source and target vocabularies differ")
         else:
@@ -171,6 +180,16 @@ def mode_runner(mode: str, setup: BenchSetup) -> Callable[[dict[str, torch.Tenso
             **batch, custom_generate=blockwise_generate, assistant=drafter, max_new_tokens=limit,
             return_dict_in_generate=True,
         )  # fmt: skip
+    if mode in ("gad", "gad_pp"):
+        from .nar_drafter import NonAutoregressiveDrafter
+
+        nar = setup.nar_drafter
+        drafter = NonAutoregressiveDrafter(nar.model, nar.config, block_size=setup.gad_block_size, verifier=base)
+        rule = GADPlusPlusAcceptance(setup.gad_top_beta, setup.gad_tolerance) if mode == "gad_pp" else None
+        return lambda batch: base.generate(
+            **batch, custom_generate=blockwise_generate, assistant=drafter, acceptance=rule, max_new_tokens=limit,
+            return_dict_in_generate=True,
+        )  # fmt: skip
     raise ValueError(f"Unknown mode {mode!r}")
 
 
@@ -200,8 +219,14 @@ def run_bench(
     modes: Sequence[str],
     batch_sizes: Sequence[int],
     progress: bool = True,
+    variants: dict[str, tuple[str, BenchSetup]] | None = None,
 ) -> list[ModeResult]:
-    """Decodes `sources` in every mode at every batch size; returns one [`ModeResult`] per pair."""
+    """Decodes `sources` in every mode at every batch size; returns one [`ModeResult`] per pair.
+
+    Args:
+        variants (`dict`, *optional*): more runs by name, each a mode with its own setup (e.g. a sweep over GAD's
+            block size); they are timed beside the modes, batch by batch, and compared with the same greedy run.
+    """
     if not sources:
         raise ValueError("The benchmark needs at least one source sentence")
     import sacrebleu
@@ -218,6 +243,11 @@ def run_bench(
         ]
         active = [mode for mode in modes if batch_size == 1 or mode not in BATCH_ONE_ONLY]
         runners = {mode: mode_runner(mode, int8_setup if mode in INT8_MODES else setup) for mode in active}
+        for name, (mode, variant_setup) in (variants or {}).items():
+            if name in runners:
+                raise ValueError(f"variant name {name!r} is also a mode")
+            runners[name] = mode_runner(mode, variant_setup)
+            active.append(name)
         for runner in runners.values():
             runner(batches[0])  # warm-up
         by_mode = {mode: ModeResult(mode=mode, batch_size=batch_size) for mode in active}

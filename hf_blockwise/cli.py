@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -96,12 +97,23 @@ def run_demo(
     return 0 if identical == len(sentences) else 1
 
 
-def load_for_bench(model_path: str, assistant_path: str | None, max_new_tokens: int, iad_max_draft_length: int = 32):
+# where a model directory keeps its non-autoregressive drafter, if it ships one
+NAR_DRAFTER_SUBDIR = "nar-drafter"
+
+
+def load_for_bench(
+    model_path: str,
+    assistant_path: str | None,
+    max_new_tokens: int,
+    iad_max_draft_length: int = 32,
+    nar_drafter_path: str | None = None,
+):
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
     from .bench import BenchSetup
     from .config import CONFIG_NAME
     from .modeling import BlockwiseHeadsModel
+    from .nar_drafter import NAR_CONFIG_NAME, NonAutoregressiveDrafter
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     heads_model = None
@@ -113,9 +125,15 @@ def load_for_bench(model_path: str, assistant_path: str | None, max_new_tokens: 
     assistant = None
     if assistant_path is not None:
         assistant = AutoModelForSeq2SeqLM.from_pretrained(assistant_path, dtype=torch.float32).eval()
+    shipped_drafter = os.path.join(model_path, NAR_DRAFTER_SUBDIR)
+    if nar_drafter_path is None and os.path.isfile(os.path.join(shipped_drafter, NAR_CONFIG_NAME)):
+        nar_drafter_path = shipped_drafter
+    nar_drafter = None
+    if nar_drafter_path is not None:
+        nar_drafter = NonAutoregressiveDrafter.from_pretrained(nar_drafter_path, verifier=base, dtype=torch.float32)
     return BenchSetup(
         base=base, tokenizer=tokenizer, heads_model=heads_model, assistant_model=assistant,
-        max_new_tokens=max_new_tokens, iad_max_draft_length=iad_max_draft_length,
+        max_new_tokens=max_new_tokens, iad_max_draft_length=iad_max_draft_length, nar_drafter=nar_drafter,
     )  # fmt: skip
 
 
@@ -139,7 +157,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.sentences:
         sources = sources[: args.sentences]
         references = references[: args.sentences] if references is not None else None
-    setup = load_for_bench(args.model, args.assistant_model, args.max_new_tokens, args.iad_max_draft_length)
+    setup = load_for_bench(
+        args.model, args.assistant_model, args.max_new_tokens, args.iad_max_draft_length, args.nar_drafter
+    )
+    setup = dataclasses.replace(
+        setup, gad_block_size=args.gad_block_size, gad_top_beta=args.gad_top_beta, gad_tolerance=args.gad_tolerance
+    )
     curve = write_cost_curve(setup, sources[0], args.out) if args.cost_curve else None
     modes = args.modes or list(FAST_PATH_MODES if args.fast_path else DEFAULT_MODES)
     results = run_bench(setup, sources, references, modes, args.batch_sizes)
@@ -150,6 +173,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
                 result.speedup_ceiling = speedup_ceiling(curve, result.summary()["mean_accepted"], block_size)
     settings = {
         "model": args.model,
+        "nar_drafter": args.nar_drafter,
+        "gad_block_size": args.gad_block_size,
+        "gad_top_beta": args.gad_top_beta,
+        "gad_tolerance": args.gad_tolerance,
         "source_file": args.source_file,
         "sentences": len(sources),
         "threads": torch.get_num_threads(),
@@ -209,6 +236,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--iad-max-draft-length", type=int, default=32, help="source tokens IAD drafts per step")
+    bench.add_argument(
+        "--nar-drafter",
+        default=None,
+        help=f"non-autoregressive drafter for the gad modes (default: <model>/{NAR_DRAFTER_SUBDIR} if present)",
+    )
+    bench.add_argument("--gad-block-size", type=int, default=None, help="tokens per GAD step (default: trained)")
+    bench.add_argument("--gad-top-beta", type=int, default=3, help="GAD++ top-beta")
+    bench.add_argument("--gad-tolerance", type=float, default=1.0, help="GAD++ log-likelihood tolerance tau")
     bench.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 = Devlin's words/s)")
     bench.add_argument("--out", default="bench", help="directory for bench.json, bench.md, bench.png")
     bench.add_argument("--quick", action="store_true", help="at most 16 sentences: a run of about a minute")

@@ -378,6 +378,8 @@ def blockwise_generate(
     cache_length = 0
     last_states: torch.Tensor | None = None
     accepted_per_step: list[torch.Tensor] = []
+    encoder_attention_mask = model_kwargs.get("attention_mask")
+    drafter_state = drafter.prepare(inputs_tensor, encoder_attention_mask)
 
     # one hook for the whole loop: it records the decoder states that the heads of the next step read
     with hf.capture_output_projection_input(model) as captured:
@@ -388,7 +390,8 @@ def blockwise_generate(
                 max_drafts=((block_size - (lengths - cache_length)).clamp(min=0)) * active,
                 last_states=last_states,
                 encoder_input_ids=inputs_tensor,
-                encoder_attention_mask=model_kwargs.get("attention_mask"),
+                encoder_attention_mask=encoder_attention_mask,
+                drafter_state=drafter_state,
             )
             drafts = drafter.get_candidates(request)
             check_drafts(drafts, batch_size)

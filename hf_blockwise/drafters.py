@@ -2,15 +2,16 @@
 
 The contract follows transformers' `CandidateGenerator` (`get_candidates`, `update_candidate_strategy`),
 adapted to batches whose rows advance at different speeds: a drafter receives a [`DraftRequest`] describing
-every row and returns a [`Drafts`] with a token count per row. Drafters keep no state between steps; what
-they need arrives in the request.
+every row and returns a [`Drafts`] with a token count per row. Drafters keep no state on themselves between
+steps or calls: what one `generate` call needs throughout (a drafter model's encoder output) is returned by
+[`Drafter.prepare`] once, and the loop hands it back in every request.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +36,7 @@ class DraftRequest:
             the first forward pass.
         encoder_input_ids (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*): the source.
         encoder_attention_mask (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*).
+        drafter_state (*optional*): what the drafter's [`Drafter.prepare`] returned for this `generate` call.
     """
 
     sequences: torch.Tensor
@@ -43,6 +45,7 @@ class DraftRequest:
     last_states: torch.Tensor | None = None
     encoder_input_ids: torch.Tensor | None = None
     encoder_attention_mask: torch.Tensor | None = None
+    drafter_state: Any = None
 
 
 @dataclass
@@ -74,6 +77,16 @@ class Drafter(ABC):
     """
 
     block_size: int
+
+    def prepare(self, encoder_input_ids: torch.Tensor | None, encoder_attention_mask: torch.Tensor | None) -> Any:
+        """Called once per `generate` call, before the first step; the result comes back as
+        `DraftRequest.drafter_state` at every step. The default needs nothing and returns `None`.
+
+        Args:
+            encoder_input_ids (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*).
+            encoder_attention_mask (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*).
+        """
+        return None
 
     @abstractmethod
     def get_candidates(self, request: DraftRequest) -> Drafts:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import runpy
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import build_model, word_tokenizer
 from datasets import Dataset
 
-from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel
+from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, NonAutoregressiveDrafter
 from hf_blockwise.cli import main
 from hf_blockwise.distill import distill_dataset, distill_texts
 
@@ -74,6 +76,10 @@ def test_bench_compares_every_mode_and_writes_reports(tmp_path, capsys) -> None:
     base.save_pretrained(checkpoint)
     tokenizer.save_pretrained(checkpoint)
     model.save_pretrained(checkpoint, base_model_name_or_path=".")
+    # a drafter shipped beside the model is found by the gad modes without --nar-drafter
+    NonAutoregressiveDrafter.from_verifier(base, mask_token_id=2, block_size=4).save_pretrained(
+        checkpoint / "nar-drafter"
+    )
     sources = tmp_path / "sources.txt"
     sources.write_text("\n".join(SOURCES[:5]) + "\n")
     out = tmp_path / "bench"
@@ -84,16 +90,41 @@ def test_bench_compares_every_mode_and_writes_reports(tmp_path, capsys) -> None:
 
     report = json.loads((out / "bench.json").read_text())
     rows = {(row["mode"], row["batch_size"]): row for row in report["results"]}
-    expected_at_one = {"greedy", "beam4", "prompt_lookup", "heads", "heads_top2", "iad"}
+    expected_at_one = {"greedy", "beam4", "prompt_lookup", "heads", "heads_top2", "iad", "gad", "gad_pp"}
     assert {mode for mode, batch in rows if batch == 1} == expected_at_one
     assert {mode for mode, batch in rows if batch == 3} == expected_at_one - {"prompt_lookup"}  # batch 1 only
     for (mode, _), row in rows.items():
         assert row["sentences"] == 5 and row["speedup"] > 0 and row["bleu"] is not None
-        if mode in ("greedy", "heads", "iad", "prompt_lookup"):  # lossless modes
+        if mode in ("greedy", "heads", "iad", "prompt_lookup", "gad"):  # lossless modes
             assert row["identical_rate"] == 1.0, mode
     assert rows[("greedy", 1)]["forwards_per_token"] >= rows[("heads", 1)]["forwards_per_token"] > 0
-    assert (out / "bench.md").read_text().count("| 1 |") == 6 and (out / "bench.png").stat().st_size > 0
+    assert (out / "bench.md").read_text().count("| 1 |") == 8 and (out / "bench.png").stat().st_size > 0
     assert "speedup vs greedy" in capsys.readouterr().out
     curve = json.loads((out / "cost_curve.json").read_text())["ms_per_call"]
     assert len(curve) == 32 and all(value > 0 for value in curve.values())
     assert rows[("heads", 1)]["speedup_ceiling"] > 0 and (out / "cost_curve.png").is_file()
+
+
+def test_gad_sweep_times_every_setting_against_one_greedy_run(tmp_path) -> None:
+    base, tokenizer = build_model("marian", seed=5), word_tokenizer()
+    base.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    drafter = NonAutoregressiveDrafter.from_verifier(base, mask_token_id=2, block_size=4)
+    drafter.save_pretrained(tmp_path / "model" / "nar-drafter")
+    sources = tmp_path / "sources.txt"
+    sources.write_text("\n".join(SOURCES[:4]) + "\n")
+    sweep = runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "gad_sweep.py"))
+    out = tmp_path / "sweep"
+    sweep["main"]([
+        "--model", str(tmp_path / "model"), "--source-file", str(sources), "--reference-file", str(sources),
+        "--block-sizes", "2", "4", "--betas", "1", "3", "--taus", "0", "2", "--max-new-tokens", "8",
+        "--out", str(out),
+    ])  # fmt: skip
+    results = {row["mode"]: row for row in json.loads((out / "sweep.json").read_text())["results"]}
+    assert set(results) == {
+        "greedy", "gad k=2", "gad k=4", "gad++ k=4 β=1 τ=2", "gad++ k=4 β=3 τ=2", "gad++ k=4 β=3 τ=0",
+    }  # fmt: skip
+    for name in ("gad k=2", "gad k=4", "gad++ k=4 β=1 τ=2", "gad++ k=4 β=3 τ=0"):  # the lossless settings
+        assert results[name]["identical_rate"] == 1.0, name
+    assert all(row["sentences"] == 4 and row["speedup"] > 0 for row in results.values())
+    assert (out / "sweep.png").stat().st_size > 0 and "gad k=4" in (out / "sweep.md").read_text()

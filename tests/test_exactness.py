@@ -21,6 +21,7 @@ from hf_blockwise import (
     blockwise_generate,
     first_divergence,
 )
+from hf_blockwise.nar_drafter import NonAutoregressiveDrafter
 
 GENERATE_ARGUMENTS = {
     "max_new_tokens": lambda model: {"max_new_tokens": 24},
@@ -42,7 +43,7 @@ GENERATE_ARGUMENTS = {
     },
 }
 
-DRAFTERS = ["heads", "token_heads", "zero_heads", "noisy_oracle", "input_copy"]
+DRAFTERS = ["heads", "token_heads", "zero_heads", "noisy_oracle", "input_copy", "nar"]
 
 # Every acceptance rule with the parameters that make it exact (k=1, ε=0, β=1, τ=0, minimum block 1).
 LOSSLESS_RULES = {
@@ -88,6 +89,9 @@ def blockwise_output(base, batch, greedy, drafter_name: str, block_size: int, se
         return model.generate(**batch, acceptance=rule, **kwargs)
     if drafter_name == "noisy_oracle":
         drafter = OracleDrafter(greedy, block_size=block_size, corruption=0.3, seed=seed)
+    elif drafter_name == "nar":
+        # one decoder layer copied from the base: drafts that are right often, but far from always
+        drafter = NonAutoregressiveDrafter.from_verifier(base, mask_token_id=3, block_size=block_size)
     else:
         drafter = InputCopyDrafter(base, max_draft_length=block_size - 1, max_ngram=3)
     return base.generate(**batch, custom_generate=blockwise_generate, assistant=drafter, acceptance=rule, **kwargs)
@@ -107,7 +111,7 @@ def test_blockwise_equals_greedy(tiny_models, architecture: str, drafter_name: s
 
 
 @pytest.mark.parametrize("rule_name", sorted(LOSSLESS_RULES))
-@pytest.mark.parametrize("drafter_name", ["heads", "noisy_oracle", "input_copy"])
+@pytest.mark.parametrize("drafter_name", ["heads", "noisy_oracle", "input_copy", "nar"])
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 def test_lossless_settings_of_every_rule_equal_greedy(tiny_models, architecture, drafter_name, rule_name) -> None:
     base = tiny_models[architecture]

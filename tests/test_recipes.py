@@ -51,3 +51,30 @@ def test_heads_recipe_runs_under_accelerate_launch_with_two_cpu_processes(tmp_pa
     assert len(distilled) == 24  # filled once, by the main process
     state = json.loads((out_dir / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
+
+
+def test_nar_drafter_recipe_trains_resumes_and_ships(tmp_path) -> None:
+    base_dir, data_dir, out_dir = tmp_path / "base", tmp_path / "data", tmp_path / "nar"
+    model = build_model("marian", seed=12)
+    model.generation_config.max_length = None
+    model.save_pretrained(base_dir)
+    word_tokenizer().save_pretrained(base_dir)
+    write_multi30k_like(data_dir)
+    command = [
+        sys.executable, str(REPOSITORY / "training" / "train_nar_drafter.py"), "--base", str(base_dir),
+        "--dataset", str(data_dir), "--out", str(out_dir), "--block-size", "4", "--decoder-layers", "1",
+        "--freeze-encoder", "--batch-size", "4", "--eval-sentences", "3", "--threads", "1", "--max-new-tokens", "16",
+    ]  # fmt: skip
+    first = subprocess.run([*command, "--max-steps", "2"], capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    ship_dir = base_dir / "nar-drafter"
+    second = subprocess.run([*command, "--max-steps", "4", "--ship", str(ship_dir)], capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr[-3000:]
+
+    state = json.loads((out_dir / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["global_step"] == 4  # resumed from checkpoint-2, not restarted
+    assert '"global_step": 2' in (out_dir / "checkpoint-2" / "trainer_state.json").read_text()
+    log = json.loads((out_dir / "nar_log.json").read_text())
+    assert log["identical"] == log["num_sentences"] == 3
+    assert json.loads((ship_dir / "nar_drafter_config.json").read_text())["verifier_name_or_path"] == ".."
+    assert (ship_dir / "nar_drafter_weights.safetensors").is_file() and not (ship_dir / "model.safetensors").exists()

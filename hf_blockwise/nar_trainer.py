@@ -1,0 +1,191 @@
+"""`NARDrafterTrainer`: trains a [`NonAutoregressiveDrafter`] with transformers' `Seq2SeqTrainer` (Ge et al. §3.2.1)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import Seq2SeqTrainer
+
+from . import _hf_generation as hf
+from .decoding import blockwise_generate
+from .modeling import unwrap_base
+from .nar_drafter import NonAutoregressiveDrafter
+from .nar_trainer_config import NARDrafterTrainingArguments
+from .trainer import Seq2SeqPadCollator
+
+
+def sample_draft_rows(
+    labels: torch.Tensor,
+    num_drafts: int,
+    decoder_start_token_id: int,
+    mask_token_id: int,
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draws one prefix length per row and lays out the drafter's decoder input and draft labels for it.
+
+    A row with prefix length p reads: decoder start, target[:p], `num_drafts - 1` masks (then padding); the
+    outputs at positions p .. p + num_drafts - 1 are to predict target[p : p + num_drafts], which is what
+    [`nar_decoder_inputs`] feeds at inference after p verified tokens.
+
+    Args:
+        labels (`torch.LongTensor` of shape `(batch_size, target_length)`): target ids (end-of-sequence
+            included), padded with -100.
+        generator (`torch.Generator`, *optional*): source of the prefix lengths, uniform over each target.
+
+    Returns:
+        decoder_input_ids (`torch.LongTensor` of shape `(batch_size, width)`),
+        draft_positions (`torch.LongTensor` of shape `(batch_size, num_drafts)`),
+        draft_labels (`torch.LongTensor` of shape `(batch_size, num_drafts)`): -100 past a target's end.
+    """
+    batch_size, target_length = labels.shape
+    lengths = (labels != -100).sum(dim=1)  # (B,)
+    if bool((lengths == 0).any()):
+        raise ValueError("an example has empty labels; the drafter needs at least the end-of-sequence token")
+    device = None if generator is None else generator.device
+    uniform = torch.rand(batch_size, generator=generator, device=device).to(labels.device)  # (B,)
+    prefix = torch.minimum((uniform * lengths).long(), lengths - 1)  # (B,) in [0, length)
+    width = int((prefix + num_drafts).max())
+    columns = torch.arange(width, device=labels.device)  # (W,)
+    previous_target = labels.gather(1, (columns - 1).clamp(0, target_length - 1).expand(batch_size, -1))  # (B, W)
+    decoder_input_ids = torch.where(columns[None, :] <= prefix[:, None], previous_target, mask_token_id)
+    decoder_input_ids[:, 0] = decoder_start_token_id
+    decoder_input_ids = torch.where(columns < (prefix + num_drafts)[:, None], decoder_input_ids, pad_token_id)
+    draft_positions = prefix[:, None] + torch.arange(num_drafts, device=labels.device)  # (B, D)
+    inside = draft_positions < lengths[:, None]
+    draft_labels = torch.where(inside, labels.gather(1, draft_positions.clamp(max=target_length - 1)), -100)
+    return decoder_input_ids, draft_positions, draft_labels
+
+
+class NARDrafterTrainer(Seq2SeqTrainer):
+    """Trains a non-autoregressive drafter to predict the next `block_size - 1` target tokens after a random prefix.
+
+    Datasets hold `input_ids` (source) and `labels` (the full target, end-of-sequence included); each step
+    draws `prefixes_per_example` prefix lengths per example ([`sample_draft_rows`]).
+
+    - Train on the verifier's own greedy outputs (sequence-level distillation, `hf_blockwise.distill`) so that
+      drafts agree with what the verifier will accept; Ge et al. distil both models from one teacher.
+    - The loss is the mean cross-entropy of the drafts; only their positions are projected onto the vocabulary.
+    - `freeze_encoder=True` keeps the encoder as initialised (from the verifier, say), and with it the
+      embeddings and output projection where the architecture shares them with the encoder.
+    - Per-draft top-1 accuracy is logged as `draft_{i}_accuracy` (draft i is i tokens after the prefix).
+    - Checkpoints hold the drafter model in transformers' format plus `nar_drafter_config.json`, so any
+      checkpoint loads with [`NonAutoregressiveDrafter.from_pretrained`]; `resume_from_checkpoint` works as usual.
+    - With `verifier=`, `evaluate` also decodes the evaluation set with the drafter and reports `mean_accepted`.
+
+    Args:
+        drafter ([`NonAutoregressiveDrafter`]): its model is trained in place.
+        args ([`NARDrafterTrainingArguments`]).
+        verifier (`nn.Module`, *optional*): the model the drafts are for, used by `evaluate` only.
+    """
+
+    def __init__(
+        self,
+        drafter: NonAutoregressiveDrafter,
+        args: NARDrafterTrainingArguments,
+        verifier: nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(drafter, NonAutoregressiveDrafter):
+            raise TypeError(f"NARDrafterTrainer trains a NonAutoregressiveDrafter, got {type(drafter).__name__}")
+        if not isinstance(args, NARDrafterTrainingArguments):
+            raise TypeError(f"NARDrafterTrainer takes NARDrafterTrainingArguments, got {type(args).__name__}")
+        if kwargs.get("data_collator") is None:
+            kwargs["data_collator"] = Seq2SeqPadCollator(drafter.model.config.pad_token_id)
+        if args.freeze_encoder:
+            drafter.model.get_encoder().requires_grad_(False)
+        super().__init__(model=drafter.model, args=args, **kwargs)
+        self.drafter_config = drafter.config
+        # a BlockwiseHeadsModel's own generate would bring its heads; the drafter is what is evaluated here
+        self.verifier = None if verifier is None else unwrap_base(verifier)
+        self._draft_accuracy: dict[str, dict[int, list[float]]] = {
+            "train": defaultdict(list),
+            "eval": defaultdict(list),
+        }
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ):
+        unwrapped = self.accelerator.unwrap_model(model)
+        copies = self.args.prefixes_per_example
+        labels = inputs["labels"].repeat_interleave(copies, dim=0)
+        # seeded by the step, so that a resumed run draws the prefixes an uninterrupted one would have
+        generator = torch.Generator(device=labels.device)
+        generator.manual_seed(self.args.seed * 1_000_003 + (1 + self.state.global_step if model.training else 0))
+        decoder_input_ids, draft_positions, draft_labels = sample_draft_rows(
+            labels, self.drafter_config.block_size - 1, unwrapped.config.decoder_start_token_id,
+            self.drafter_config.mask_token_id, unwrapped.config.pad_token_id, generator,
+        )  # fmt: skip
+        sources = {key: inputs[key].repeat_interleave(copies, dim=0) for key in ("input_ids", "attention_mask")}
+        # only the draft positions are projected onto the vocabulary: the prefix positions carry no loss
+        with hf.project_columns(unwrapped, draft_positions):
+            outputs = model(**sources, decoder_input_ids=decoder_input_ids, use_cache=False, return_dict=True)
+        logits = outputs.logits.float()  # (B, D, V)
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), draft_labels.flatten(), ignore_index=-100)
+        self._record_accuracy(logits, draft_labels, "train" if model.training else "eval")
+        return (loss, outputs) if return_outputs else loss
+
+    @torch.no_grad()
+    def _record_accuracy(self, logits: torch.Tensor, draft_labels: torch.Tensor, split: str) -> None:
+        is_label = draft_labels != -100  # (B, D)
+        correct = (logits.argmax(dim=-1) == draft_labels) & is_label
+        for index in range(draft_labels.shape[1]):
+            if bool(is_label[:, index].any()):
+                accuracy = correct[:, index].sum() / is_label[:, index].sum()
+                self._draft_accuracy[split][index].append(float(accuracy))
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        split = "train" if "loss" in logs else "eval"
+        prefix = "" if split == "train" else "eval_"
+        for index, values in sorted(self._draft_accuracy[split].items()):
+            logs[f"{prefix}draft_{index + 1}_accuracy"] = sum(values) / len(values)
+        self._draft_accuracy[split].clear()
+        super().log(logs, start_time)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **gen_kwargs):
+        metrics = super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        if self.verifier is not None:
+            dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+            decoding = {f"{metric_key_prefix}_mean_accepted": self.mean_accepted(dataset)}
+            self.log(dict(decoding))
+            metrics.update(decoding)
+        return metrics
+
+    @torch.no_grad()
+    def mean_accepted(self, dataset) -> float:
+        """Mean accepted block when the verifier decodes (the first `eval_decoding_samples` of) `dataset`."""
+        model = self.accelerator.unwrap_model(self.model)
+        was_training = model.training
+        drafter = NonAutoregressiveDrafter(model, self.drafter_config, verifier=self.verifier)
+        limit = len(dataset) if self.args.eval_decoding_samples is None else self.args.eval_decoding_samples
+        examples = [dataset[index] for index in range(min(limit, len(dataset)))]
+        collator = Seq2SeqPadCollator(model.config.pad_token_id)
+        accepted = []
+        size = self.args.eval_decoding_batch_size
+        for start in tqdm(range(0, len(examples), size), desc="GAD eval", disable=not self.is_world_process_zero()):
+            batch = collator(examples[start : start + size])
+            output = self.verifier.generate(
+                input_ids=batch["input_ids"].to(model.device),
+                attention_mask=batch["attention_mask"].to(model.device),
+                max_new_tokens=self.args.eval_max_new_tokens,
+                custom_generate=blockwise_generate,
+                assistant=drafter,
+                return_dict_in_generate=True,
+            )
+            steps = output.decoding_stats.accepted
+            accepted.append(steps[steps > 0])
+        model.train(was_training)
+        return float(torch.cat(accepted).float().mean())
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        super()._save(output_dir, state_dict)
+        if self.args.should_save:
+            self.drafter_config.save_pretrained(output_dir if output_dir is not None else self.args.output_dir)

@@ -1,0 +1,137 @@
+"""GAD and GAD++ sweeps over block size k, top-β and tolerance τ (the shapes of Ge et al.'s Tables 5–7).
+
+Every setting decodes the same sentences at batch 1 beside one greedy run, batch by batch, so each speedup
+is a ratio measured in the same run. Writes ``sweep.json``, ``sweep.md`` and ``sweep.png`` into ``--out``.
+
+Command behind ``docs/bench/gad-sweep`` (from the repository root, about 12 minutes on a 2-core CPU)::
+
+    python scripts/gad_sweep.py --model hf_blockwise/pretrained/multi30k-en-de \
+        --source-file ../shared/data/multi30k/test_2016_flickr.en.gz \
+        --reference-file ../shared/data/multi30k/test_2016_flickr.de.gz --sentences 300 --threads 2 \
+        --out docs/bench/gad-sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+
+import torch
+from transformers.utils import logging as transformers_logging
+
+from hf_blockwise.bench import ModeResult, read_lines, run_bench
+from hf_blockwise.cli import load_for_bench
+from hf_blockwise.serialization import atomic_write, atomic_write_text
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--model", default="hf_blockwise/pretrained/multi30k-en-de")
+    parser.add_argument("--nar-drafter", default=None, help="default: <model>/nar-drafter")
+    parser.add_argument("--source-file", required=True)
+    parser.add_argument("--reference-file", default=None)
+    parser.add_argument("--sentences", type=int, default=300)
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[2, 3, 4, 5, 6, 8], help="exact GAD's k")
+    parser.add_argument("--betas", type=int, nargs="+", default=[1, 2, 3, 5], help="GAD++ top-β (τ fixed)")
+    parser.add_argument("--taus", type=float, nargs="+", default=[0.5, 1.0, 2.0, 3.0], help="GAD++ τ (β fixed)")
+    parser.add_argument("--gad-pp-block-size", type=int, default=None, help="k of the GAD++ runs (default: best)")
+    parser.add_argument("--fixed-beta", type=int, default=3)
+    parser.add_argument("--fixed-tau", type=float, default=2.0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--out", default="docs/bench/gad-sweep")
+    return parser.parse_args(argv)
+
+
+def variants(setup, block_sizes, pp_block_size, betas, taus, fixed_beta, fixed_tau) -> dict:
+    """Exact GAD at each block size, then GAD++ over β (τ fixed) and over τ (β fixed), by run name."""
+    runs = {f"gad k={k}": ("gad", dataclasses.replace(setup, gad_block_size=k)) for k in block_sizes}
+    loose = [(beta, fixed_tau) for beta in betas] + [(fixed_beta, tau) for tau in taus]
+    for beta, tau in loose:
+        name = f"gad++ k={pp_block_size} β={beta} τ={tau:g}"
+        loose_setup = dataclasses.replace(setup, gad_block_size=pp_block_size, gad_top_beta=beta, gad_tolerance=tau)
+        runs.setdefault(name, ("gad_pp", loose_setup))
+    return runs
+
+
+def table(results: Sequence[ModeResult]) -> str:
+    lines = [
+        "| run | speedup vs greedy | mean accepted | decoder calls / token | identical to greedy | BLEU |",
+        "|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        figures = result.summary()
+        bleu = "" if result.bleu is None else f"{result.bleu:.2f}"
+        lines.append(
+            f"| {result.mode} | {result.speedup:.2f}x | {figures['mean_accepted']:.2f} | "
+            f"{figures['forwards_per_token']:.2f} | {result.identical}/{result.sentences} | {bleu} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: Sequence[ModeResult], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    exact = [r for r in results if r.mode.startswith("gad k=")]
+    loose = [r for r in results if r.mode.startswith("gad++")]
+    figure, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    ks = [int(r.mode.split("=")[1]) for r in exact]
+    axes[0].plot(ks, [r.speedup for r in exact], "o-", label="speedup vs greedy")
+    axes[0].plot(ks, [r.summary()["mean_accepted"] for r in exact], "s--", label="mean accepted")
+    axes[0].axhline(1.0, color="grey", linewidth=0.8)
+    axes[0].set_xlabel("block size k (exact GAD)")
+    axes[0].legend()
+    axes[1].scatter([r.speedup for r in loose], [r.bleu for r in loose])
+    for result in loose:
+        axes[1].annotate(result.mode.split(" ", 2)[2], (result.speedup, result.bleu), fontsize=7)
+    greedy = next(r for r in results if r.mode == "greedy")
+    axes[1].axhline(greedy.bleu, color="grey", linewidth=0.8, label="greedy BLEU")
+    axes[1].set_xlabel("speedup vs greedy (GAD++)")
+    axes[1].set_ylabel("BLEU")
+    axes[1].legend()
+    figure.tight_layout()
+    atomic_write(path, lambda tmp: figure.savefig(tmp, format="png", dpi=110))
+    plt.close(figure)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    transformers_logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    sources = read_lines(args.source_file)[: args.sentences]
+    references = read_lines(args.reference_file)[: args.sentences] if args.reference_file else None
+    setup = load_for_bench(args.model, None, args.max_new_tokens, nar_drafter_path=args.nar_drafter)
+    if setup.nar_drafter is None:
+        raise SystemExit(f"{args.model} ships no nar-drafter; pass --nar-drafter")
+    pp_block_size = args.gad_pp_block_size or max(args.block_sizes)
+    runs = variants(setup, args.block_sizes, pp_block_size, args.betas, args.taus, args.fixed_beta, args.fixed_tau)
+    results = run_bench(setup, sources, references, ["greedy"], [1], variants=runs)
+    os.makedirs(args.out, exist_ok=True)
+    settings = {
+        "model": args.model,
+        "sentences": len(sources),
+        "threads": torch.get_num_threads(),
+        "batch_size": 1,
+        "device": str(next(setup.base.parameters()).device),
+        "drafter_block_size": setup.nar_drafter.config.block_size,
+    }
+    report = {"settings": settings, "results": [result.summary() for result in results]}
+    atomic_write_text(os.path.join(args.out, "sweep.json"), json.dumps(report, indent=2) + "\n")
+    header = (
+        f"# GAD / GAD++ sweep: {os.path.basename(os.path.normpath(args.model))}, {len(sources)} sentences, batch 1, "
+        f"{settings['threads']} threads, {settings['device']}\n\nRegenerate: `python scripts/gad_sweep.py` "
+        "(command in its docstring).\n\n"
+    )
+    atomic_write_text(os.path.join(args.out, "sweep.md"), header + table(results))
+    plot(results, os.path.join(args.out, "sweep.png"))
+    print(header + table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Train a non-autoregressive drafter (GAD, Ge et al. §3.2) for the Multi30k en→de base, and optionally ship it.
+
+What it does:
+
+1. Loads the base (the verifier) and its tokenizer.
+2. Targets: the base's own greedy outputs on the training sources (sequence-level distillation, decoded once
+   with ``hf_blockwise.distill`` and cached as JSON lines; ``train_heads.py`` writes the same cache, pass it
+   with ``--distilled-cache`` to skip the 6 minutes of decoding).
+3. Builds the drafter from the verifier (``NonAutoregressiveDrafter.from_verifier``: same architecture,
+   ``--decoder-layers`` decoder layers, weights copied from the verifier, the tokenizer's unknown token as
+   [MASK]) and trains it with ``NARDrafterTrainer``: random prefix, ``block_size - 1`` masked targets.
+   Re-running resumes from the newest checkpoint in ``--out``.
+4. Reports, on the first 300 sentences of test_2016_flickr at batch 1: mean accepted block, speed against
+   greedy and identical outputs (exact acceptance).
+5. With ``--ship DIR``: writes the drafter in fp16, relative to the verifier (only the weights training changed;
+   ``NonAutoregressiveDrafter.from_pretrained(DIR)`` rebuilds the rest from the verifier it names).
+
+Exact command of the shipped drafter (from the repository root)::
+
+    python training/train_nar_drafter.py --base hf_blockwise/pretrained/multi30k-en-de \
+        --out checkpoints/nar-k8 --distilled-cache checkpoints/distilled-beam1.jsonl --block-size 8 \
+        --decoder-layers 2 --freeze-encoder --epochs 2 --prefixes-per-example 4 --threads 2 \
+        --ship hf_blockwise/pretrained/multi30k-en-de/nar-drafter
+
+Wall time on a 2-core CPU (2 threads): recorded in ``<out>/nar_log.json`` (``wall_time_s``) and in
+``docs/results.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+from transformers.trainer_utils import get_last_checkpoint
+
+from hf_blockwise.distill import distill_texts
+from hf_blockwise.evaluation import compare_to_greedy
+from hf_blockwise.nar_drafter import NonAutoregressiveDrafter
+from hf_blockwise.nar_trainer import NARDrafterTrainer
+from hf_blockwise.nar_trainer_config import NARDrafterTrainingArguments
+from hf_blockwise.serialization import atomic_write_text
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_base import DEFAULT_DATA_DIR, load_multi30k
+from train_heads import encode
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--base", default="hf_blockwise/pretrained/multi30k-en-de", help="verifier checkpoint")
+    parser.add_argument("--dataset", default=str(DEFAULT_DATA_DIR), help="Multi30k folder or hub name")
+    parser.add_argument("--out", default="checkpoints/nar-k8", help="output / checkpoint directory")
+    parser.add_argument(
+        "--distilled-cache", default=None, help="JSON-lines cache of greedy outputs (default: in --out)"
+    )
+    parser.add_argument("--block-size", type=int, default=8, help="k: tokens per step, k - 1 drafts")
+    parser.add_argument("--decoder-layers", type=int, default=1)
+    parser.add_argument("--encoder-layers", type=int, default=None, help="default: the verifier's")
+    parser.add_argument("--freeze-encoder", action="store_true", help="train the decoder only")
+    parser.add_argument("--epochs", type=float, default=4.0)
+    parser.add_argument("--prefixes-per-example", type=int, default=4)
+    parser.add_argument("--max-steps", type=int, default=-1, help="stop early (smoke tests)")
+    parser.add_argument("--batch-size", type=int, default=32, help="examples per batch (times prefixes per example)")
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--warmup-steps", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--train-sentences", type=int, default=None, help="use only the first N (smoke tests)")
+    parser.add_argument("--eval-sentences", type=int, default=300)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--ship", default=None, help="also write the drafter (fp16) here")
+    return parser.parse_args(argv)
+
+
+def train(args: argparse.Namespace):
+    """Trains (or resumes) the drafter; returns it (eval mode), the verifier, tokenizer and data splits."""
+    torch.set_num_threads(args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(args.base)
+    verifier = AutoModelForSeq2SeqLM.from_pretrained(args.base, dtype=torch.float32).eval()
+    data = load_multi30k(args.dataset)
+    sources, _references = data["train"]
+    if args.train_sentences:
+        sources = sources[: args.train_sentences]
+    cache = args.distilled_cache or os.path.join(args.out, "distilled-beam1.jsonl")
+    targets = distill_texts(verifier, tokenizer, sources, cache, batch_size=64, max_new_tokens=args.max_new_tokens)
+    train_dataset = encode(tokenizer, sources, targets)
+
+    mask_token_id = tokenizer.mask_token_id if tokenizer.mask_token_id is not None else tokenizer.unk_token_id
+    drafter = NonAutoregressiveDrafter.from_verifier(
+        verifier, mask_token_id=mask_token_id, block_size=args.block_size, decoder_layers=args.decoder_layers,
+        encoder_layers=args.encoder_layers, verifier_name_or_path=args.base,
+    )  # fmt: skip
+    training_args = NARDrafterTrainingArguments(
+        output_dir=args.out,
+        per_device_train_batch_size=args.batch_size,
+        num_train_epochs=args.epochs,
+        max_steps=args.max_steps,
+        learning_rate=args.lr,
+        warmup_steps=args.warmup_steps,
+        prefixes_per_example=args.prefixes_per_example,
+        freeze_encoder=args.freeze_encoder,
+        lr_scheduler_type="linear",
+        logging_steps=50,
+        save_steps=300,
+        save_total_limit=2,
+        report_to=[],
+        use_cpu=not torch.cuda.is_available(),
+        seed=0,
+    )
+    trainer = NARDrafterTrainer(drafter, training_args, train_dataset=train_dataset, processing_class=tokenizer)
+    trainer.train(resume_from_checkpoint=get_last_checkpoint(args.out) if os.path.isdir(args.out) else None)
+    drafter.model.eval()
+    drafter.save_pretrained(os.path.join(args.out, "final"))
+    return drafter, verifier, tokenizer, data
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    started = time.time()
+    drafter, verifier, tokenizer, data = train(args)
+    train_seconds = time.time() - started
+    test_sources, test_references = (split[: args.eval_sentences] for split in data["test"])
+    comparison = compare_to_greedy(
+        verifier, tokenizer, test_sources, test_references, assistant=drafter, batch_size=1,
+        max_new_tokens=args.max_new_tokens,
+    )  # fmt: skip
+    results = {
+        **comparison.summary(),
+        "block_size": args.block_size,
+        "decoder_layers": args.decoder_layers,
+        "epochs": args.epochs,
+        "prefixes_per_example": args.prefixes_per_example,
+        "train_wall_time_s": round(train_seconds, 1),
+        "wall_time_s": round(time.time() - started, 1),
+    }
+    atomic_write_text(os.path.join(args.out, "nar_log.json"), json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+    if args.ship:
+        # only the trained weights: the encoder and embeddings are the verifier's, rebuilt from it on loading
+        drafter.save_pretrained(
+            args.ship,
+            dtype=torch.float16,
+            relative_to=verifier,
+            verifier_name_or_path=os.path.relpath(args.base, args.ship),
+        )
+        print(f"shipped to {args.ship}")
+
+
+if __name__ == "__main__":
+    main()
