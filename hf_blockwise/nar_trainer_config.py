@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from transformers import Seq2SeqTrainingArguments
 
+from .trainer_config import check_eval_decoding
+
 
 @dataclass
 class NARDrafterTrainingArguments(Seq2SeqTrainingArguments):
@@ -34,15 +36,13 @@ class NARDrafterTrainingArguments(Seq2SeqTrainingArguments):
     eval_decoding_samples: int | None = field(default=None)
 
     def __post_init__(self) -> None:
-        for name in ("prefixes_per_example", "eval_max_new_tokens", "eval_decoding_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.eval_decoding_samples is not None and self.eval_decoding_samples < 1:
-            raise ValueError(f"eval_decoding_samples must be >= 1 or None, got {self.eval_decoding_samples}")
+        if self.prefixes_per_example < 1:
+            raise ValueError(f"prefixes_per_example must be >= 1, got {self.prefixes_per_example}")
+        check_eval_decoding(self)
         # evaluation decodes for real (mean accepted block against the verifier) instead of gathering logits
         self.prediction_loss_only = True
         if self.label_names is None:
             self.label_names = ["labels"]
-        # the collator reads the raw examples' `input_ids` and `labels` to sample prefixes
+        # compute_loss, not the model, consumes `labels` and builds the decoder inputs; pass columns through
         self.remove_unused_columns = False
         super().__post_init__()

@@ -10,6 +10,15 @@ HEAD_LOSSES = ("mean", "sampled")
 BASE_TRAINING = ("frozen", "full", "lora")
 
 
+def check_eval_decoding(args: Seq2SeqTrainingArguments) -> None:
+    """Validates the `eval_*` decoding fields shared by this package's training arguments."""
+    for name in ("eval_max_new_tokens", "eval_decoding_batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(args, name)}")
+    if args.eval_decoding_samples is not None and args.eval_decoding_samples < 1:
+        raise ValueError(f"eval_decoding_samples must be >= 1 or None, got {args.eval_decoding_samples}")
+
+
 @dataclass
 class BlockwiseTrainingArguments(Seq2SeqTrainingArguments):
     """`Seq2SeqTrainingArguments` plus what training proposal heads needs (Stern et al. §6).
@@ -54,11 +63,7 @@ class BlockwiseTrainingArguments(Seq2SeqTrainingArguments):
             raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
         if self.base_loss_weight < 0:
             raise ValueError(f"base_loss_weight must be >= 0, got {self.base_loss_weight}")
-        for name in ("eval_max_new_tokens", "eval_decoding_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.eval_decoding_samples is not None and self.eval_decoding_samples < 1:
-            raise ValueError(f"eval_decoding_samples must be >= 1 or None, got {self.eval_decoding_samples}")
+        check_eval_decoding(self)
         # Evaluation decodes for real instead of gathering (batch, length, heads, vocab) logits.
         self.prediction_loss_only = True
         if self.label_names is None:
