@@ -123,7 +123,12 @@ def load_for_bench(
     else:
         base = AutoModelForSeq2SeqLM.from_pretrained(model_path, dtype=torch.float32).eval()
     assistant = None
-    if assistant_path is not None:
+    if assistant_path is not None and os.path.isfile(os.path.join(assistant_path, NAR_CONFIG_NAME)):
+        # a drafter is a small seq2seq model of the same vocabulary; fed no masks, its output at the last
+        # verified position is an autoregressive next-token prediction, which is all an assistant model makes
+        drafter = NonAutoregressiveDrafter.from_pretrained(assistant_path, verifier=base, dtype=torch.float32)
+        assistant = drafter.model.eval()
+    elif assistant_path is not None:
         assistant = AutoModelForSeq2SeqLM.from_pretrained(assistant_path, dtype=torch.float32).eval()
     shipped_drafter = os.path.join(model_path, NAR_DRAFTER_SUBDIR)
     if nar_drafter_path is None and os.path.isfile(os.path.join(shipped_drafter, NAR_CONFIG_NAME)):
@@ -221,7 +226,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("sentences", nargs="*", help="English sentences to translate (default: built-in examples)")
     bench = commands.add_parser("bench", help="every decoding mode side by side, measured against greedy")
     bench.add_argument("--model", default=SHIPPED_MODEL, help="seq2seq model directory, with or without heads")
-    bench.add_argument("--assistant-model", default=None, help="small model for transformers' assisted generation")
+    bench.add_argument(
+        "--assistant-model",
+        default=None,
+        help="small seq2seq model for transformers' assisted generation (a NAR drafter directory works too)",
+    )
     bench.add_argument("--source-file", default=None, help="one source per line (.gz allowed); default: demo")
     bench.add_argument("--reference-file", default=None, help="references for BLEU, line by line")
     bench.add_argument("--sentences", type=int, default=None, help="use the first N sources")

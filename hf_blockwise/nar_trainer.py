@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 from transformers import Seq2SeqTrainer
 
 from . import _hf_generation as hf
@@ -15,7 +14,7 @@ from .decoding import blockwise_generate
 from .modeling import unwrap_base
 from .nar_drafter import NonAutoregressiveDrafter
 from .nar_trainer_config import NARDrafterTrainingArguments
-from .trainer import Seq2SeqPadCollator
+from .trainer import Seq2SeqPadCollator, decode_for_evaluation
 
 
 def sample_draft_rows(
@@ -165,25 +164,20 @@ class NARDrafterTrainer(Seq2SeqTrainer):
         model = self.accelerator.unwrap_model(self.model)
         was_training = model.training
         drafter = NonAutoregressiveDrafter(model, self.drafter_config, verifier=self.verifier)
-        limit = len(dataset) if self.args.eval_decoding_samples is None else self.args.eval_decoding_samples
-        examples = [dataset[index] for index in range(min(limit, len(dataset)))]
-        collator = Seq2SeqPadCollator(model.config.pad_token_id)
-        accepted = []
-        size = self.args.eval_decoding_batch_size
-        for start in tqdm(range(0, len(examples), size), desc="GAD eval", disable=not self.is_world_process_zero()):
-            batch = collator(examples[start : start + size])
-            output = self.verifier.generate(
-                input_ids=batch["input_ids"].to(model.device),
-                attention_mask=batch["attention_mask"].to(model.device),
-                max_new_tokens=self.args.eval_max_new_tokens,
-                custom_generate=blockwise_generate,
-                assistant=drafter,
-                return_dict_in_generate=True,
-            )
-            steps = output.decoding_stats.accepted
-            accepted.append(steps[steps > 0])
+        results = decode_for_evaluation(
+            self.verifier,
+            dataset,
+            pad_token_id=model.config.pad_token_id,
+            batch_size=self.args.eval_decoding_batch_size,
+            max_new_tokens=self.args.eval_max_new_tokens,
+            limit=self.args.eval_decoding_samples,
+            description="GAD eval",
+            show_progress=self.is_world_process_zero(),
+            custom_generate=blockwise_generate,
+            assistant=drafter,
+        )
         model.train(was_training)
-        return float(torch.cat(accepted).float().mean())
+        return results["mean_accepted"]
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         super()._save(output_dir, state_dict)

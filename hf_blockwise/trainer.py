@@ -44,6 +44,55 @@ class Seq2SeqPadCollator:
         return batch
 
 
+def decode_for_evaluation(
+    model: nn.Module,
+    dataset,
+    pad_token_id: int,
+    batch_size: int,
+    max_new_tokens: int,
+    limit: int | None = None,
+    tokenizer: Any = None,
+    description: str = "blockwise eval",
+    show_progress: bool = True,
+    **generate_kwargs: Any,
+) -> dict[str, float]:
+    """Decodes (the first `limit` examples of) a tokenized dataset blockwise; mean accepted block, and BLEU
+    against the labels when a tokenizer is given. The evaluation both trainers run.
+
+    Args:
+        model: what `generate` is called on (a `BlockwiseHeadsModel`, or a verifier given `custom_generate`
+            and `assistant` in `generate_kwargs`); it must return `decoding_stats`.
+        dataset: rows with `input_ids` (and `attention_mask`, `labels`).
+
+    Returns:
+        `{"mean_accepted": ...}`, plus `"bleu"` (sacreBLEU, detokenized) when `tokenizer` is given.
+    """
+    limit = len(dataset) if limit is None else min(limit, len(dataset))
+    examples = [dataset[index] for index in range(limit)]
+    collator = Seq2SeqPadCollator(pad_token_id)
+    device = next(model.parameters()).device
+    accepted, hypotheses, references = [], [], []
+    for start in tqdm(range(0, len(examples), batch_size), desc=description, disable=not show_progress):
+        batch = collator(examples[start : start + batch_size])
+        output = model.generate(
+            input_ids=batch["input_ids"].to(device),
+            attention_mask=batch["attention_mask"].to(device),
+            max_new_tokens=max_new_tokens,
+            return_dict_in_generate=True,
+            **generate_kwargs,
+        )
+        steps = output.decoding_stats.accepted  # (B, steps); 0 where a row had finished
+        accepted.append(steps[steps > 0])
+        if tokenizer is not None:
+            hypotheses += tokenizer.batch_decode(output.sequences, skip_special_tokens=True)
+            labels = batch["labels"].masked_fill(batch["labels"] == -100, pad_token_id)
+            references += tokenizer.batch_decode(labels, skip_special_tokens=True)
+    results = {"mean_accepted": float(torch.cat(accepted).float().mean())}
+    if hypotheses:
+        results["bleu"] = sacrebleu.corpus_bleu(hypotheses, [references]).score
+    return results
+
+
 def _with_lora(base_model: nn.Module, args: BlockwiseTrainingArguments) -> nn.Module:
     """Wraps the (frozen) base in a PEFT LoRA model whose adapters alone are trainable."""
     from peft import LoraConfig, TaskType, get_peft_model
@@ -141,31 +190,17 @@ class BlockwiseTrainer(Seq2SeqTrainer):
         model: BlockwiseHeadsModel = self.accelerator.unwrap_model(self.model)
         was_training = model.training
         model.eval()
-        limit = len(dataset) if self.args.eval_decoding_samples is None else self.args.eval_decoding_samples
-        examples = [dataset[index] for index in range(min(limit, len(dataset)))]
-        collator = Seq2SeqPadCollator(model.base_model.config.pad_token_id)
-        accepted, hypotheses, references = [], [], []
-        size = self.args.eval_decoding_batch_size
-        for start in tqdm(
-            range(0, len(examples), size), desc="blockwise eval", disable=not self.is_world_process_zero()
-        ):
-            batch = collator(examples[start : start + size])
-            output = model.generate(
-                input_ids=batch["input_ids"].to(model.device),
-                attention_mask=batch["attention_mask"].to(model.device),
-                max_new_tokens=self.args.eval_max_new_tokens,
-                return_dict_in_generate=True,
-            )
-            steps = output.decoding_stats.accepted
-            accepted.append(steps[steps > 0])
-            if self.processing_class is not None:
-                hypotheses += self.processing_class.batch_decode(output.sequences, skip_special_tokens=True)
-                labels = batch["labels"].masked_fill(batch["labels"] == -100, model.base_model.config.pad_token_id)
-                references += self.processing_class.batch_decode(labels, skip_special_tokens=True)
+        results = decode_for_evaluation(
+            model,
+            dataset,
+            pad_token_id=model.base_model.config.pad_token_id,
+            batch_size=self.args.eval_decoding_batch_size,
+            max_new_tokens=self.args.eval_max_new_tokens,
+            limit=self.args.eval_decoding_samples,
+            tokenizer=self.processing_class,
+            show_progress=self.is_world_process_zero(),
+        )
         model.train(was_training)
-        results = {"mean_accepted": float(torch.cat(accepted).float().mean())}
-        if hypotheses:
-            results["bleu"] = sacrebleu.corpus_bleu(hypotheses, [references]).score
         return results
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:

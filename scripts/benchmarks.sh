@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates every benchmark figure quoted in docs/results.md (about 25 minutes on a 2-core CPU; run it on an
+# Regenerates every benchmark figure quoted in docs/results.md (about 40 minutes on a 2-core CPU; run it on an
 # otherwise idle machine: timings are ratios measured in the same run, but a busy machine skews them).
 # Needs the offline data sets in ../shared/data beside the repository.
 set -euo pipefail
@@ -9,9 +9,10 @@ mt=hf_blockwise/pretrained/multi30k-en-de
 gec=hf_blockwise/pretrained/gec-en
 
 # Multi30k en→de, shipped model: every mode at batch 1 and 16 (2 threads), with the decoder cost curve
+# (transformers' assisted generation drafts with the shipped GAD drafter's model, used autoregressively)
 hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz \
     --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 300 --batch-sizes 1 16 --threads 2 \
-    --cost-curve --out docs/bench/multi30k
+    --assistant-model $mt/nar-drafter --cost-curve --out docs/bench/multi30k
 # the CPU fast path step by step, single thread (Devlin 2017's words/s)
 hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz \
     --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 300 --batch-sizes 1 --threads 1 \
@@ -28,3 +29,6 @@ for length in 8 16; do
         --sentences 300 --modes greedy iad greedy_int8 iad_int8 --iad-max-draft-length $length --batch-sizes 1 \
         --threads 2 --out docs/bench/gec-jfleg-draft$length
 done
+# GAD and GAD++ sweeps over k, beta and tau (Ge et al. Tables 5-7 shape)
+python scripts/gad_sweep.py --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz \
+    --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 300 --threads 2 --out docs/bench/gad-sweep

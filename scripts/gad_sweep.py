@@ -3,7 +3,7 @@
 Every setting decodes the same sentences at batch 1 beside one greedy run, batch by batch, so each speedup
 is a ratio measured in the same run. Writes ``sweep.json``, ``sweep.md`` and ``sweep.png`` into ``--out``.
 
-Command behind ``docs/bench/gad-sweep`` (from the repository root, about 12 minutes on a 2-core CPU)::
+Command behind ``docs/bench/gad-sweep`` (from the repository root, 6 minutes on a 2-core CPU)::
 
     python scripts/gad_sweep.py --model hf_blockwise/pretrained/multi30k-en-de \
         --source-file ../shared/data/multi30k/test_2016_flickr.en.gz \

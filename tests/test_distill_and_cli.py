@@ -84,21 +84,23 @@ def test_bench_compares_every_mode_and_writes_reports(tmp_path, capsys) -> None:
     sources.write_text("\n".join(SOURCES[:5]) + "\n")
     out = tmp_path / "bench"
     arguments = ["bench", "--model", str(checkpoint), "--source-file", str(sources), "--reference-file", str(sources)]
+    # the drafter's model also serves, used autoregressively, as transformers' assistant model
+    arguments += ["--assistant-model", str(checkpoint / "nar-drafter")]
     assert (
         main([*arguments, "--batch-sizes", "1", "3", "--max-new-tokens", "8", "--out", str(out), "--cost-curve"]) == 0
     )
 
     report = json.loads((out / "bench.json").read_text())
     rows = {(row["mode"], row["batch_size"]): row for row in report["results"]}
-    expected_at_one = {"greedy", "beam4", "prompt_lookup", "heads", "heads_top2", "iad", "gad", "gad_pp"}
+    expected_at_one = {"greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_top2", "iad", "gad", "gad_pp"}
     assert {mode for mode, batch in rows if batch == 1} == expected_at_one
-    assert {mode for mode, batch in rows if batch == 3} == expected_at_one - {"prompt_lookup"}  # batch 1 only
+    assert {mode for mode, batch in rows if batch == 3} == expected_at_one - {"prompt_lookup", "assisted"}
     for (mode, _), row in rows.items():
         assert row["sentences"] == 5 and row["speedup"] > 0 and row["bleu"] is not None
-        if mode in ("greedy", "heads", "iad", "prompt_lookup", "gad"):  # lossless modes
+        if mode in ("greedy", "heads", "iad", "prompt_lookup", "assisted", "gad"):  # lossless modes
             assert row["identical_rate"] == 1.0, mode
     assert rows[("greedy", 1)]["forwards_per_token"] >= rows[("heads", 1)]["forwards_per_token"] > 0
-    assert (out / "bench.md").read_text().count("| 1 |") == 8 and (out / "bench.png").stat().st_size > 0
+    assert (out / "bench.md").read_text().count("| 1 |") == 9 and (out / "bench.png").stat().st_size > 0
     assert "speedup vs greedy" in capsys.readouterr().out
     curve = json.loads((out / "cost_curve.json").read_text())["ms_per_call"]
     assert len(curve) == 32 and all(value > 0 for value in curve.values())

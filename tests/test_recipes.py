@@ -67,6 +67,9 @@ def test_nar_drafter_recipe_trains_resumes_and_ships(tmp_path) -> None:
     ]  # fmt: skip
     first = subprocess.run([*command, "--max-steps", "2"], capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
+    first_clock = out_dir / "checkpoint-2" / "training_clock.json"
+    assert json.loads(first_clock.read_text())["train_seconds"] > 0
+    first_clock.write_text('{"train_seconds": 1000.0}')  # as if the first run had trained for 1000 s
     ship_dir = base_dir / "nar-drafter"
     second = subprocess.run([*command, "--max-steps", "4", "--ship", str(ship_dir)], capture_output=True, text=True)
     assert second.returncode == 0, second.stderr[-3000:]
@@ -76,5 +79,9 @@ def test_nar_drafter_recipe_trains_resumes_and_ships(tmp_path) -> None:
     assert '"global_step": 2' in (out_dir / "checkpoint-2" / "trainer_state.json").read_text()
     log = json.loads((out_dir / "nar_log.json").read_text())
     assert log["identical"] == log["num_sentences"] == 3
+    # the first run's training time is carried by its checkpoint into the resumed run's total
+    total_seconds = json.loads((out_dir / "checkpoint-4" / "training_clock.json").read_text())["train_seconds"]
+    assert 1000 < total_seconds <= log["train_wall_time_s"] < 1000 + log["wall_time_s"]
+    assert "non-autoregressive drafter" in (ship_dir / "README.md").read_text()
     assert json.loads((ship_dir / "nar_drafter_config.json").read_text())["verifier_name_or_path"] == ".."
     assert (ship_dir / "nar_drafter_weights.safetensors").is_file() and not (ship_dir / "model.safetensors").exists()

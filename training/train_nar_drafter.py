@@ -22,8 +22,9 @@ Exact command of the shipped drafter (from the repository root)::
         --decoder-layers 2 --freeze-encoder --epochs 2 --prefixes-per-example 4 --threads 2 \
         --ship hf_blockwise/pretrained/multi30k-en-de/nar-drafter
 
-Wall time on a 2-core CPU (2 threads): recorded in ``<out>/nar_log.json`` (``wall_time_s``) and in
-``docs/results.md``.
+Wall time on a 2-core CPU (2 threads): about 29 minutes for the command above. ``<out>/nar_log.json`` records
+``train_wall_time_s`` (training, summed over every resumed run: each checkpoint keeps the running total) and
+``wall_time_s`` (this invocation).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_blockwise.distill import distill_texts
@@ -78,8 +79,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+# training seconds so far, stored in each checkpoint so a resumed run reports its whole training time
+CLOCK_FILE = "training_clock.json"
+
+
+class TrainingClock(TrainerCallback):
+    """Training wall time summed over every run that led to the newest checkpoint."""
+
+    def __init__(self, resume_from: str | None) -> None:
+        self.previous_seconds = 0.0
+        if resume_from is not None and os.path.isfile(os.path.join(resume_from, CLOCK_FILE)):
+            with open(os.path.join(resume_from, CLOCK_FILE), encoding="utf-8") as handle:
+                self.previous_seconds = float(json.load(handle)["train_seconds"])
+        self.started = time.time()
+
+    def seconds(self) -> float:
+        return self.previous_seconds + time.time() - self.started
+
+    def on_save(self, args, state, control, **kwargs) -> None:
+        checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if os.path.isdir(checkpoint):
+            text = json.dumps({"train_seconds": round(self.seconds(), 1)}) + "\n"
+            atomic_write_text(os.path.join(checkpoint, CLOCK_FILE), text)
+
+
 def train(args: argparse.Namespace):
-    """Trains (or resumes) the drafter; returns it (eval mode), the verifier, tokenizer and data splits."""
+    """Trains (or resumes) the drafter; returns it (eval mode), the verifier, tokenizer, data splits and the
+    training seconds of every run so far."""
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     verifier = AutoModelForSeq2SeqLM.from_pretrained(args.base, dtype=torch.float32).eval()
@@ -113,18 +139,21 @@ def train(args: argparse.Namespace):
         use_cpu=not torch.cuda.is_available(),
         seed=0,
     )
-    trainer = NARDrafterTrainer(drafter, training_args, train_dataset=train_dataset, processing_class=tokenizer)
-    trainer.train(resume_from_checkpoint=get_last_checkpoint(args.out) if os.path.isdir(args.out) else None)
+    resume_from = get_last_checkpoint(args.out) if os.path.isdir(args.out) else None
+    clock = TrainingClock(resume_from)
+    trainer = NARDrafterTrainer(
+        drafter, training_args, train_dataset=train_dataset, processing_class=tokenizer, callbacks=[clock]
+    )
+    trainer.train(resume_from_checkpoint=resume_from)
     drafter.model.eval()
     drafter.save_pretrained(os.path.join(args.out, "final"))
-    return drafter, verifier, tokenizer, data
+    return drafter, verifier, tokenizer, data, clock.seconds()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     started = time.time()
-    drafter, verifier, tokenizer, data = train(args)
-    train_seconds = time.time() - started
+    drafter, verifier, tokenizer, data, train_seconds = train(args)
     test_sources, test_references = (split[: args.eval_sentences] for split in data["test"])
     comparison = compare_to_greedy(
         verifier, tokenizer, test_sources, test_references, assistant=drafter, batch_size=1,
@@ -149,7 +178,30 @@ def main(argv: Sequence[str] | None = None) -> None:
             relative_to=verifier,
             verifier_name_or_path=os.path.relpath(args.base, args.ship),
         )
+        atomic_write_text(os.path.join(args.ship, "README.md"), model_card(args, results))
         print(f"shipped to {args.ship}")
+
+
+def model_card(args: argparse.Namespace, results: dict) -> str:
+    return f"""# nar-drafter: a non-autoregressive drafter (GAD) for multi30k-en-de
+
+Research artefact trained here by `training/train_nar_drafter.py` (exact command in its docstring).
+
+- **What it is**: the verifier's own architecture (MarianMTModel) with {args.decoder_layers} decoder layers, its
+  weights initialised from the verifier; given the source and the verified prefix followed by [MASK]
+  placeholders it drafts the next {args.block_size - 1} tokens in one pass (Ge et al. 2022, §3.2). Saved relative
+  to the verifier (`verifier_name_or_path` in `nar_drafter_config.json`): only the weights training changed are
+  stored, in fp16; `NonAutoregressiveDrafter.from_pretrained` rebuilds the rest from the verifier.
+- **Data**: the verifier's greedy outputs on the Multi30k training sources (sequence-level distillation);
+  Multi30k / Flickr30k terms, research use only, not for commercial use.
+- **Training**: {args.epochs:g} epochs, {args.prefixes_per_example} random prefixes per sentence per step, encoder
+  {"frozen" if args.freeze_encoder else "trained"}; {results["train_wall_time_s"] / 60:.1f} min on a 2-core CPU.
+- **Decoding** (`generate(..., custom_generate=blockwise_generate, assistant=drafter)`, exact acceptance): on the
+  first {results["num_sentences"]} sentences of test_2016_flickr at batch {results["batch_size"]}, identical to
+  greedy: {results["identical"]}/{results["num_sentences"]}; mean accepted block {results["mean_accepted"]:.2f};
+  wall-clock {results["speedup"]:.2f}x greedy in that run ({args.threads} CPU threads). See `docs/results.md`
+  for why it is slower than greedy on this CPU.
+"""
 
 
 if __name__ == "__main__":
