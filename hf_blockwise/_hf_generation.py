@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, EncoderDecoderCache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.generation import GenerationConfig, GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import (
@@ -133,6 +133,12 @@ def decoder_cache(model_kwargs: dict[str, Any]) -> EncoderDecoderCache:
     if cache.get_seq_length() != 0:
         raise ValueError("Blockwise decoding starts from an empty cache; a pre-filled past_key_values was passed")
     return cache
+
+
+def new_decoder_cache(model: nn.Module) -> EncoderDecoderCache:
+    """An empty dynamic encoder-decoder cache for `model`, built as `generate` builds its own."""
+    config = model.config.get_text_config(decoder=True)
+    return EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
 
 
 # Arguments that `generate` leaves in `model_kwargs` and that a decoder forward must not receive again.

@@ -320,7 +320,14 @@ def markdown_table(results: Sequence[ModeResult], header: str) -> str:
             f"{figures['words_per_second']:.0f} | {figures['forwards_per_token']:.2f} | "
             f"{accepted} | {result.identical}/{result.sentences} | {bleu} |"
         )
-    lines += ["", "¹ outputs equal, token for token, to greedy decoding of the same model (int8 modes: the int8 model)"]
+    lines += [
+        "",
+        "¹ outputs equal, token for token, to greedy decoding of the same model (int8 modes: the int8 model)",
+        "",
+        "ceiling: `mean accepted · t(1) / t(k)` from the decoder cost curve (`--cost-curve`), for modes that feed k "
+        "tokens every step: what the mode would reach if drafting and the loop cost nothing (GAD's drafter calls "
+        "come on top)",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -171,11 +171,18 @@ def run_bench_command(args: argparse.Namespace) -> int:
     curve = write_cost_curve(setup, sources[0], args.out) if args.cost_curve else None
     modes = args.modes or list(FAST_PATH_MODES if args.fast_path else DEFAULT_MODES)
     results = run_bench(setup, sources, references, modes, args.batch_sizes)
-    if curve is not None and setup.heads_model is not None:
-        block_size = setup.heads_model.blockwise_config.block_size
+    if curve is not None:
+        # modes whose every step feeds the same number of tokens; IAD's width follows the source, so it has none
+        widths = {}
+        if setup.heads_model is not None:
+            widths["heads"] = setup.heads_model.blockwise_config.block_size
+        if setup.nar_drafter is not None:
+            widths["gad"] = setup.gad_block_size or setup.nar_drafter.block_size
         for result in results:
-            if result.mode.startswith("heads") and result.batch_size == 1:
-                result.speedup_ceiling = speedup_ceiling(curve, result.summary()["mean_accepted"], block_size)
+            family = "gad" if result.mode.startswith("gad") else result.mode.split("_")[0]
+            if family in widths and result.batch_size == 1:
+                mean_accepted = result.summary()["mean_accepted"]
+                result.speedup_ceiling = speedup_ceiling(curve, mean_accepted, widths[family])
     settings = {
         "model": args.model,
         "nar_drafter": args.nar_drafter,

@@ -70,15 +70,21 @@ class NARDrafterConfig(JsonConfigMixin):
 
 @dataclass
 class NARDraftState:
-    """What one `generate` call computes once for the drafter: its own encoder's output.
+    """What the drafter keeps for one `generate` call: its encoder's output and its decoder's cache.
 
     Attributes:
         encoder_outputs: the drafter encoder's output for the batch's sources.
         attention_mask (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*).
+        cache (`EncoderDecoderCache`, *optional*): the drafter decoder's keys and values (cross-attention ones
+            computed once); `None` when the drafter recomputes the prefix each step.
+        verified_in_cache (`int`): leading cache positions that held verified tokens in every row when they
+            were computed; the rest (masks, drafts since rejected) is cropped before the next step.
     """
 
     encoder_outputs: Any
     attention_mask: torch.Tensor | None
+    cache: Any = None
+    verified_in_cache: int = 0
 
 
 def nar_decoder_inputs(
@@ -104,6 +110,20 @@ def nar_decoder_inputs(
     decoder_input_ids = torch.where(columns < lengths[:, None], tokens, mask_token_id)
     draft_positions = lengths[:, None] - 1 + torch.arange(num_drafts, device=sequences.device)  # (B, D)
     return decoder_input_ids, draft_positions
+
+
+def reusable_cache_length(lengths: torch.Tensor, verified_when_cached: int) -> int:
+    """How many leading decoder positions the drafter may keep from its cache.
+
+    A cached position is reusable only if it held a verified token in every row when it was computed (earlier
+    it may have been a mask or a rejected draft), and each row's last verified token must be fed again, since
+    its output is that row's first draft.
+
+    Args:
+        lengths (`torch.LongTensor` of shape `(batch_size,)`): verified tokens per row now.
+        verified_when_cached (`int`): leading positions that were verified in every row when last cached.
+    """
+    return max(min(verified_when_cached, int(lengths.min()) - 1), 0)
 
 
 def check_same_vocabulary(drafter_model: nn.Module, verifier: nn.Module) -> None:
@@ -150,6 +170,9 @@ class NonAutoregressiveDrafter(Drafter):
         block_size (`int`, *optional*): tokens per step (2 <= block_size <= `config.block_size`); defaults to
             the trained one.
         verifier (`nn.Module`, *optional*): when given, checked for a matching vocabulary and start token.
+        use_cache (`bool`, defaults to `True`): keep the drafter decoder's keys and values of verified tokens
+            from step to step within a `generate` call; `False` recomputes the whole prefix every step (the
+            drafts are the same).
     """
 
     def __init__(
@@ -158,6 +181,7 @@ class NonAutoregressiveDrafter(Drafter):
         config: NARDrafterConfig,
         block_size: int | None = None,
         verifier: nn.Module | None = None,
+        use_cache: bool = True,
     ) -> None:
         hf.encoder_decoder_only(model)
         block_size = config.block_size if block_size is None else block_size
@@ -174,6 +198,7 @@ class NonAutoregressiveDrafter(Drafter):
         self.model = model
         self.config = config
         self.block_size = block_size
+        self.use_cache = use_cache
 
     @classmethod
     def from_verifier(
@@ -231,7 +256,8 @@ class NonAutoregressiveDrafter(Drafter):
             encoder_outputs = self.model.get_encoder()(
                 input_ids=encoder_input_ids, attention_mask=encoder_attention_mask, return_dict=True
             )
-        return NARDraftState(encoder_outputs=encoder_outputs, attention_mask=encoder_attention_mask)
+        cache = hf.new_decoder_cache(self.model) if self.use_cache else None
+        return NARDraftState(encoder_outputs=encoder_outputs, attention_mask=encoder_attention_mask, cache=cache)
 
     def get_candidates(self, request: DraftRequest) -> Drafts:
         state = request.drafter_state
@@ -240,13 +266,20 @@ class NonAutoregressiveDrafter(Drafter):
         num_drafts = self.block_size - 1
         decoder_input_ids, positions = nar_decoder_inputs(
             request.sequences, request.lengths, num_drafts, self.config.mask_token_id
-        )
+        )  # (B, W), (B, D)
+        start = 0
+        if state.cache is not None:
+            start = reusable_cache_length(request.lengths, state.verified_in_cache)
+            hf.crop_cache(state.cache, start)
+            state.verified_in_cache = int(request.lengths.min())
+        positions = positions - start  # (B, D), into the fed columns; start < every row's length
         with torch.no_grad(), hf.project_columns(self.model, positions):
             logits = self.model(
                 encoder_outputs=state.encoder_outputs,
                 attention_mask=state.attention_mask,
-                decoder_input_ids=decoder_input_ids,
-                use_cache=False,
+                decoder_input_ids=decoder_input_ids[:, start:],
+                past_key_values=state.cache,
+                use_cache=state.cache is not None,
                 return_dict=True,
             ).logits  # (B, D, V)
         logits[..., self.config.mask_token_id] = torch.finfo(logits.dtype).min
@@ -319,6 +352,7 @@ class NonAutoregressiveDrafter(Drafter):
         name_or_path: str | os.PathLike,
         block_size: int | None = None,
         verifier: nn.Module | None = None,
+        use_cache: bool = True,
         **model_kwargs: Any,
     ) -> NonAutoregressiveDrafter:
         """Loads a drafter written by [`save_pretrained`] (a local directory or a hub repository).
@@ -327,6 +361,7 @@ class NonAutoregressiveDrafter(Drafter):
             block_size (`int`, *optional*): draft fewer tokens than trained for.
             verifier (`nn.Module`, *optional*): checked for a matching vocabulary; a drafter saved relative to
                 its verifier is rebuilt from it (by default from the config's `verifier_name_or_path`).
+            use_cache (`bool`, defaults to `True`): see [`NonAutoregressiveDrafter`].
             model_kwargs: passed to `from_pretrained` of the model (and of the verifier it loads, if any).
         """
         from .modeling import _base_location, _has_file, _resolve
@@ -334,7 +369,7 @@ class NonAutoregressiveDrafter(Drafter):
         config = NARDrafterConfig.from_json_file(_resolve(name_or_path, NAR_CONFIG_NAME))
         if not _has_file(name_or_path, CHANGED_WEIGHTS_NAME):
             model = AutoModelForSeq2SeqLM.from_pretrained(name_or_path, **model_kwargs)
-            return cls(model, config, block_size=block_size, verifier=verifier)
+            return cls(model, config, block_size=block_size, verifier=verifier, use_cache=use_cache)
         if verifier is None:
             if config.verifier_name_or_path is None:
                 raise ValueError(
@@ -346,7 +381,7 @@ class NonAutoregressiveDrafter(Drafter):
         model = _rebuild_from_verifier(
             AutoConfig.from_pretrained(name_or_path), verifier, _resolve(name_or_path, CHANGED_WEIGHTS_NAME)
         )
-        return cls(model, config, block_size=block_size, verifier=verifier)
+        return cls(model, config, block_size=block_size, verifier=verifier, use_cache=use_cache)
 
 
 def _rebuild_from_verifier(model_config: Any, verifier: nn.Module, weights_path: str) -> PreTrainedModel:

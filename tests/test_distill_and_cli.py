@@ -105,6 +105,10 @@ def test_bench_compares_every_mode_and_writes_reports(tmp_path, capsys) -> None:
     curve = json.loads((out / "cost_curve.json").read_text())["ms_per_call"]
     assert len(curve) == 32 and all(value > 0 for value in curve.values())
     assert rows[("heads", 1)]["speedup_ceiling"] > 0 and (out / "cost_curve.png").is_file()
+    times = curve  # a GAD step feeds the drafter's block size (4) every time, so its ceiling uses t(4)
+    expected = rows[("gad", 1)]["mean_accepted"] * times["1"] / times["4"]
+    assert rows[("gad", 1)]["speedup_ceiling"] == pytest.approx(expected)
+    assert rows[("iad", 1)]["speedup_ceiling"] is None and rows[("greedy", 1)]["speedup_ceiling"] is None
 
 
 def test_gad_sweep_times_every_setting_against_one_greedy_run(tmp_path) -> None:

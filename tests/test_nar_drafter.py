@@ -99,6 +99,41 @@ def test_a_drafter_equal_to_the_verifier_has_every_draft_accepted(tiny_models, a
         assert steps[0] == first_step and (steps[1:-1] == 2).all(), f"row {row}: {steps.tolist()}"
 
 
+class RecordingDrafter(NonAutoregressiveDrafter):
+    """Keeps every step's drafts of unfinished rows (-1 for finished ones)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.steps: list[torch.Tensor] = []
+
+    def get_candidates(self, request):
+        drafts = super().get_candidates(request)
+        self.steps.append(torch.where(request.max_drafts[:, None] > 0, drafts.tokens, -1))
+        return drafts
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_the_drafters_cache_changes_no_draft(tiny_models, architecture: str) -> None:
+    """Rows of different lengths, drafts partly rejected: the cache must keep exactly the verified tokens."""
+    base = tiny_models[architecture]
+    batch = random_batch(base, 4, seed=9)
+    source = NonAutoregressiveDrafter.from_verifier(base, mask_token_id=MASK, block_size=5, decoder_layers=None)
+    runs = {}
+    for use_cache in (True, False):
+        drafter = RecordingDrafter(source.model, source.config, verifier=base, use_cache=use_cache)
+        output = base.generate(
+            **batch, custom_generate=blockwise_generate, assistant=drafter, max_new_tokens=20,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+        runs[use_cache] = (output.sequences, drafter.steps, output.decoding_stats.accepted)
+    (cached_sequences, cached_steps, accepted), (sequences, steps, _) = runs[True], runs[False]
+    assert torch.equal(cached_sequences, sequences)
+    assert len(cached_steps) == len(steps) > 2
+    for step, (cached, recomputed) in enumerate(zip(cached_steps, steps, strict=True)):
+        assert torch.equal(cached, recomputed), f"step {step}"
+    assert ((accepted > 1) & (accepted < 5)).any()  # some drafts accepted, some rejected: the cache was cropped
+
+
 def test_gad_plus_plus_runs_with_the_drafter(tiny_models) -> None:
     base = tiny_models["bart"]
     batch = random_batch(base, 3, seed=7)
