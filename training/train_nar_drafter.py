@@ -178,16 +178,19 @@ def main(argv: Sequence[str] | None = None) -> None:
             relative_to=verifier,
             verifier_name_or_path=os.path.relpath(args.base, args.ship),
         )
-        atomic_write_text(os.path.join(args.ship, "README.md"), model_card(args, results))
+        card = model_card(args, results, architecture=type(drafter.model).__name__)
+        atomic_write_text(os.path.join(args.ship, "README.md"), card)
         print(f"shipped to {args.ship}")
 
 
-def model_card(args: argparse.Namespace, results: dict) -> str:
-    return f"""# nar-drafter: a non-autoregressive drafter (GAD) for multi30k-en-de
+def model_card(args: argparse.Namespace, results: dict, architecture: str) -> str:
+    slower = " See `docs/results.md` for why it is slower than greedy on a CPU." if results["speedup"] < 1 else ""
+    machine = torch.cuda.get_device_name() if torch.cuda.is_available() else f"a {os.cpu_count()}-core CPU"
+    return f"""# nar-drafter: a non-autoregressive drafter (GAD) for {os.path.basename(os.path.normpath(args.base))}
 
 Research artefact trained here by `training/train_nar_drafter.py` (exact command in its docstring).
 
-- **What it is**: the verifier's own architecture (MarianMTModel) with {args.decoder_layers} decoder layers, its
+- **What it is**: the verifier's own architecture ({architecture}) with {args.decoder_layers} decoder layers, its
   weights initialised from the verifier; given the source and the verified prefix followed by [MASK]
   placeholders it drafts the next {args.block_size - 1} tokens in one pass (Ge et al. 2022, §3.2). Saved relative
   to the verifier (`verifier_name_or_path` in `nar_drafter_config.json`): only the weights training changed are
@@ -195,12 +198,11 @@ Research artefact trained here by `training/train_nar_drafter.py` (exact command
 - **Data**: the verifier's greedy outputs on the Multi30k training sources (sequence-level distillation);
   Multi30k / Flickr30k terms, research use only, not for commercial use.
 - **Training**: {args.epochs:g} epochs, {args.prefixes_per_example} random prefixes per sentence per step, encoder
-  {"frozen" if args.freeze_encoder else "trained"}; {results["train_wall_time_s"] / 60:.1f} min on a 2-core CPU.
+  {"frozen" if args.freeze_encoder else "trained"}; {results["train_wall_time_s"] / 60:.1f} min on {machine}.
 - **Decoding** (`generate(..., custom_generate=blockwise_generate, assistant=drafter)`, exact acceptance): on the
   first {results["num_sentences"]} sentences of test_2016_flickr at batch {results["batch_size"]}, identical to
   greedy: {results["identical"]}/{results["num_sentences"]}; mean accepted block {results["mean_accepted"]:.2f};
-  wall-clock {results["speedup"]:.2f}x greedy in that run ({args.threads} CPU threads). See `docs/results.md`
-  for why it is slower than greedy on this CPU.
+  wall-clock {results["speedup"]:.2f}x greedy in that run ({args.threads} CPU threads).{slower}
 """
 
 
