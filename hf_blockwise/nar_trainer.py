@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -14,7 +13,7 @@ from .decoding import blockwise_generate
 from .modeling import unwrap_base
 from .nar_drafter import NonAutoregressiveDrafter
 from .nar_trainer_config import NARDrafterTrainingArguments
-from .trainer import Seq2SeqPadCollator, decode_for_evaluation
+from .trainer import Seq2SeqPadCollator, StepMetrics, decode_for_evaluation
 
 
 def sample_draft_rows(
@@ -101,10 +100,7 @@ class NARDrafterTrainer(Seq2SeqTrainer):
         self.drafter_config = drafter.config
         # a BlockwiseHeadsModel's own generate would bring its heads; the drafter is what is evaluated here
         self.verifier = None if verifier is None else unwrap_base(verifier)
-        self._draft_accuracy: dict[str, dict[int, list[float]]] = {
-            "train": defaultdict(list),
-            "eval": defaultdict(list),
-        }
+        self._step_metrics = StepMetrics()
 
     def compute_loss(
         self,
@@ -139,14 +135,10 @@ class NARDrafterTrainer(Seq2SeqTrainer):
         for index in range(draft_labels.shape[1]):
             if bool(is_label[:, index].any()):
                 accuracy = correct[:, index].sum() / is_label[:, index].sum()
-                self._draft_accuracy[split][index].append(float(accuracy))
+                self._step_metrics.add(split, f"draft_{index + 1}_accuracy", float(accuracy))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        split = "train" if "loss" in logs else "eval"
-        prefix = "" if split == "train" else "eval_"
-        for index, values in sorted(self._draft_accuracy[split].items()):
-            logs[f"{prefix}draft_{index + 1}_accuracy"] = sum(values) / len(values)
-        self._draft_accuracy[split].clear()
+        logs.update(self._step_metrics.pop_means(logs))
         super().log(logs, start_time)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **gen_kwargs):

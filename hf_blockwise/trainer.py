@@ -44,6 +44,28 @@ class Seq2SeqPadCollator:
         return batch
 
 
+class StepMetrics:
+    """Metrics recorded at each training or evaluation step, averaged into the next `Trainer.log` call.
+
+    A log call that carries `loss` is a training log and takes the training means; any other is an evaluation
+    log and takes the evaluation means under an `eval_` prefix. Both trainers keep one.
+    """
+
+    def __init__(self) -> None:
+        self._values: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+
+    def add(self, split: str, key: str, value: float) -> None:
+        self._values[split][key].append(value)
+
+    def pop_means(self, logs: dict[str, float]) -> dict[str, float]:
+        """The means for the kind of log `logs` is, with their log names; forgets them."""
+        split = "train" if "loss" in logs else "eval"
+        prefix = "" if split == "train" else "eval_"
+        means = {f"{prefix}{key}": sum(values) / len(values) for key, values in self._values[split].items() if values}
+        self._values[split].clear()
+        return means
+
+
 def decode_for_evaluation(
     model: nn.Module,
     dataset,
@@ -131,10 +153,7 @@ class BlockwiseTrainer(Seq2SeqTrainer):
         if "data_collator" not in kwargs or kwargs["data_collator"] is None:
             kwargs["data_collator"] = Seq2SeqPadCollator(model.base_model.config.pad_token_id)
         super().__init__(model=model, args=args, **kwargs)
-        self._logged_metrics: dict[str, dict[str, list[float]]] = {
-            "train": defaultdict(list),
-            "eval": defaultdict(list),
-        }
+        self._step_metrics = StepMetrics()
         self._head_rng = random.Random(args.seed)
 
     def compute_loss(
@@ -157,22 +176,16 @@ class BlockwiseTrainer(Seq2SeqTrainer):
 
     @torch.no_grad()
     def _record(self, outputs: Any, split: str) -> None:
-        metrics = self._logged_metrics[split]
         for head, (loss, accuracy) in enumerate(
             zip(outputs.head_losses.tolist(), outputs.head_accuracies.tolist(), strict=True)
         ):
-            metrics[f"head_{head + 1}_loss"].append(loss)
-            metrics[f"head_{head + 1}_accuracy"].append(accuracy)
+            self._step_metrics.add(split, f"head_{head + 1}_loss", loss)
+            self._step_metrics.add(split, f"head_{head + 1}_accuracy", accuracy)
         if outputs.base_loss is not None:
-            metrics["base_loss"].append(float(outputs.base_loss))
+            self._step_metrics.add(split, "base_loss", float(outputs.base_loss))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        split = "train" if "loss" in logs else "eval"
-        prefix = "" if split == "train" else "eval_"
-        for key, values in self._logged_metrics[split].items():
-            if values:
-                logs[f"{prefix}{key}"] = sum(values) / len(values)
-        self._logged_metrics[split].clear()
+        logs.update(self._step_metrics.pop_means(logs))
         super().log(logs, start_time)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **gen_kwargs):
