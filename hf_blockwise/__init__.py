@@ -1,6 +1,11 @@
 """hf_blockwise: exact blockwise parallel decoding for Hugging Face seq2seq models."""
 
-from .acceptance import (
+from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts, NoDrafter
+from hf_blockwise.drafters.heads import HeadsDrafter
+from hf_blockwise.drafters.input_copy import InputCopyDrafter
+from hf_blockwise.drafters.nar import NARDrafterConfig, NonAutoregressiveDrafter
+from hf_blockwise.drafters.oracle import ReferenceDrafter
+from hf_blockwise.generation.acceptance import (
     AcceptanceRule,
     DistanceAcceptance,
     ExactAcceptance,
@@ -9,17 +14,16 @@ from .acceptance import (
     TopKAcceptance,
     accepted_lengths,
 )
-from .config import BlockwiseConfig
-from .decoding import DecodingStats, blockwise_generate
-from .diagnostics import Divergence, first_divergence
-from .drafters import Drafter, DraftRequest, Drafts, HeadsDrafter, NoDrafter
-from .evaluation import Comparison, compare_to_greedy
-from .heads import BlockwiseHeads
-from .input_copy import InputCopyDrafter
-from .modeling import BlockwiseHeadsModel, BlockwiseHeadsOutput
-from .nar_drafter import NARDrafterConfig, NonAutoregressiveDrafter
-from .quantization import quantize_dynamic_int8
-from .shortlist import frequent_tokens
+from hf_blockwise.generation.capability import UnsupportedModelError, check_decoder
+from hf_blockwise.generation.diagnostics import Divergence, first_divergence
+from hf_blockwise.generation.loop import blockwise_generate
+from hf_blockwise.generation.state import DecodingStats
+from hf_blockwise.modeling.config import BlockwiseConfig
+from hf_blockwise.modeling.heads import BlockwiseHeads
+from hf_blockwise.modeling.model import BlockwiseHeadsModel, BlockwiseHeadsOutput
+from hf_blockwise.modeling.quantization import quantize_dynamic_int8
+from hf_blockwise.modeling.shortlist import frequent_tokens
+from hf_blockwise.tools.evaluation import Comparison, compare_to_greedy
 
 __version__ = "0.1.0"
 
@@ -44,9 +48,12 @@ __all__ = [
     "NARDrafterConfig",
     "NoDrafter",
     "NonAutoregressiveDrafter",
+    "ReferenceDrafter",
     "TopKAcceptance",
+    "UnsupportedModelError",
     "accepted_lengths",
     "blockwise_generate",
+    "check_decoder",
     "compare_to_greedy",
     "first_divergence",
     "frequent_tokens",

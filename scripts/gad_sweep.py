@@ -13,37 +13,55 @@ Command behind ``docs/bench/gad-sweep`` (from the repository root, 6 minutes on 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
+from transformers import HfArgumentParser
 from transformers.utils import logging as transformers_logging
 
-from hf_blockwise.bench import ModeResult, read_lines, run_bench
-from hf_blockwise.cli import load_for_bench
 from hf_blockwise.serialization import atomic_write, atomic_write_text
+from hf_blockwise.tools.bench import ModeResult, read_lines, run_bench
+from hf_blockwise.tools.cli import load_for_bench
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--model", default="hf_blockwise/pretrained/multi30k-en-de")
-    parser.add_argument("--nar-drafter", default=None, help="default: <model>/nar-drafter")
-    parser.add_argument("--source-file", required=True)
-    parser.add_argument("--reference-file", default=None)
-    parser.add_argument("--sentences", type=int, default=300)
-    parser.add_argument("--block-sizes", type=int, nargs="+", default=[2, 3, 4, 5, 6, 8], help="exact GAD's k")
-    parser.add_argument("--betas", type=int, nargs="+", default=[1, 2, 3, 5], help="GAD++ top-β (τ fixed)")
-    parser.add_argument("--taus", type=float, nargs="+", default=[0.5, 1.0, 2.0, 3.0], help="GAD++ τ (β fixed)")
-    parser.add_argument("--gad-pp-block-size", type=int, default=None, help="k of the GAD++ runs (default: best)")
-    parser.add_argument("--fixed-beta", type=int, default=3)
-    parser.add_argument("--fixed-tau", type=float, default=2.0)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--out", default="docs/bench/gad-sweep")
-    return parser.parse_args(argv)
+@dataclass
+class GADSweepArguments:
+    """Command-line flags of the sweep; each field is ``--field-name`` (or ``--field_name``)."""
+
+    model: str = field(
+        default="hf_blockwise/pretrained/multi30k-en-de", metadata={"help": "the verifier (a shipped model folder)"}
+    )
+    nar_drafter: str | None = field(default=None, metadata={"help": "unset: <model>/nar-drafter"})
+    source_file: str = field(kw_only=True, metadata={"help": "source sentences, one per line (.gz: gzip)"})
+    reference_file: str | None = field(default=None, metadata={"help": "references for BLEU, one per line"})
+    sentences: int = field(default=300, metadata={"help": "decode the first N sentences"})
+    block_sizes: list[int] = field(default_factory=lambda: [2, 3, 4, 5, 6, 8], metadata={"help": "exact GAD's k"})
+    betas: list[int] = field(default_factory=lambda: [1, 2, 3, 5], metadata={"help": "GAD++ top-β (τ fixed)"})
+    taus: list[float] = field(default_factory=lambda: [0.5, 1.0, 2.0, 3.0], metadata={"help": "GAD++ τ (β fixed)"})
+    gad_pp_block_size: int | None = field(
+        default=None, metadata={"help": "k of the GAD++ runs (unset: the largest of --block-sizes)"}
+    )
+    fixed_beta: int = field(default=3, metadata={"help": "GAD++ top-β while τ varies"})
+    fixed_tau: float = field(default=2.0, metadata={"help": "GAD++ τ while β varies"})
+    threads: int = field(default=2, metadata={"help": "torch.set_num_threads"})
+    max_new_tokens: int = field(default=128, metadata={"help": "length limit of every decoding"})
+    out: str = field(default="docs/bench/gad-sweep", metadata={"help": "folder for sweep.json, sweep.md, sweep.png"})
+
+
+def parse_args(argv: Sequence[str] | None = None) -> GADSweepArguments:
+    """Parse the command line (``sys.argv[1:]`` when ``argv`` is None) into `GADSweepArguments`."""
+    parser = HfArgumentParser(GADSweepArguments, description=__doc__.split("\n", 1)[0])
+    # no ``<script>.args`` file is read: the flags are exactly the command line (or ``argv``)
+    args, unknown = parser.parse_args_into_dataclasses(
+        args=argv, return_remaining_strings=True, look_for_args_file=False
+    )
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def variants(setup, block_sizes, pp_block_size, betas, taus, fixed_beta, fixed_tau) -> dict:

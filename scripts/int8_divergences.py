@@ -7,24 +7,45 @@ Prints each differing sentence with `first_divergence` (position, the two tokens
 
 from __future__ import annotations
 
-import argparse
 import gzip
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, HfArgumentParser
 from transformers.utils import logging
 
 from hf_blockwise import BlockwiseHeadsModel, first_divergence, quantize_dynamic_int8
-from hf_blockwise.cli import SHIPPED_MODEL
+from hf_blockwise.tools.cli import SHIPPED_MODEL
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--model", default=SHIPPED_MODEL)
-    parser.add_argument("--source-file", default="../shared/data/multi30k/test_2016_flickr.en.gz")
-    parser.add_argument("--sentences", type=int, default=100)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+@dataclass
+class Int8DivergencesArguments:
+    """Command-line flags of this script; each field is ``--field-name`` (or ``--field_name``)."""
+
+    model: str = field(default=SHIPPED_MODEL, metadata={"help": "shipped model folder (base and heads)"})
+    source_file: str = field(
+        default="../shared/data/multi30k/test_2016_flickr.en.gz",
+        metadata={"help": "gzip source sentences, one per line"},
+    )
+    sentences: int = field(default=100, metadata={"help": "decode the first N sentences"})
+    threads: int = field(default=1, metadata={"help": "torch.set_num_threads"})
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Int8DivergencesArguments:
+    """Parse the command line (``sys.argv[1:]`` when ``argv`` is None) into `Int8DivergencesArguments`."""
+    parser = HfArgumentParser(Int8DivergencesArguments, description=__doc__.split("\n", 1)[0])
+    # no ``<script>.args`` file is read: the flags are exactly the command line (or ``argv``)
+    args, unknown = parser.parse_args_into_dataclasses(
+        args=argv, return_remaining_strings=True, look_for_args_file=False
+    )
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
     logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.model)

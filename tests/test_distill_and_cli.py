@@ -12,8 +12,8 @@ from conftest import build_model, word_tokenizer
 from datasets import Dataset
 
 from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, NonAutoregressiveDrafter
-from hf_blockwise.cli import main
-from hf_blockwise.distill import distill_dataset, distill_texts
+from hf_blockwise.tools.cli import main
+from hf_blockwise.training.distill import distill_dataset, distill_texts
 
 SOURCES = [" ".join(f"w{3 + (i * 7 + j * 5) % 60}" for j in range(3 + i % 6)) for i in range(10)]
 

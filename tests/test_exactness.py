@@ -21,7 +21,7 @@ from hf_blockwise import (
     blockwise_generate,
     first_divergence,
 )
-from hf_blockwise.nar_drafter import NonAutoregressiveDrafter
+from hf_blockwise.drafters.nar import NonAutoregressiveDrafter
 
 GENERATE_ARGUMENTS = {
     "max_new_tokens": lambda model: {"max_new_tokens": 24},
@@ -35,6 +35,18 @@ GENERATE_ARGUMENTS = {
     "repetition_penalty": lambda model: {"repetition_penalty": 1.4, "max_new_tokens": 24},
     "no_repeat_ngram_size": lambda model: {"no_repeat_ngram_size": 2, "max_new_tokens": 24},
     "bad_words_ids": lambda model: {"bad_words_ids": [[7], [8, 9]], "max_new_tokens": 24},
+    "suppress_tokens": lambda model: {"suppress_tokens": [5, 6], "begin_suppress_tokens": [7, 8], "max_new_tokens": 20},
+    # processors that keep per-row data of the caller's batch, while finished rows leave the loop's batch
+    "encoder_penalties": lambda model: {
+        "encoder_repetition_penalty": 1.5,
+        "encoder_no_repeat_ngram_size": 2,
+        "max_new_tokens": 20,
+    },
+    "decay_renormalize": lambda model: {
+        "exponential_decay_length_penalty": (4, 1.6),
+        "renormalize_logits": True,
+        "max_new_tokens": 24,
+    },
     # A strong bias towards the pad token makes greedy emit pad mid-sentence: the hardest case for models
     # that number decoder positions by counting non-pad tokens (M2M100).
     "pad_in_output": lambda model: {
@@ -160,9 +172,8 @@ def test_perfect_drafter_needs_one_forward_per_block(tiny_models, architecture: 
         pad = base.generation_config.pad_token_id
         generated = (greedy[:, 1:] != pad).sum(dim=1)  # tokens each row produced (padding after EOS excluded)
         assert torch.equal(stats.accepted.sum(dim=0), generated)
-        # A decoder start token equal to pad ends the first feed (see build_feed), so no drafts at prefill.
-        drafts_at_prefill = base.generation_config.decoder_start_token_id != pad
-        assert stats.num_forwards == expected_forwards(int(generated.max()), block_size, drafts_at_prefill)
+        # drafts are verified from the first (prefill) pass on, even where the decoder starts with the pad token
+        assert stats.num_forwards == expected_forwards(int(generated.max()), block_size, drafts_at_prefill=True)
         assert stats.mean_accepted > 1.0 or int(generated.max()) <= 1
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -10,9 +11,14 @@ import torch
 from conftest import ARCHITECTURES, OracleDrafter, build_model, random_batch, word_tokenizer
 
 from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, first_divergence, frequent_tokens, quantize_dynamic_int8
-from hf_blockwise.cli import main
-from hf_blockwise.drafters import DraftRequest
-from hf_blockwise.quantization import Int8Linear
+from hf_blockwise.drafters.base import DraftRequest
+from hf_blockwise.modeling.quantization import Int8Linear
+from hf_blockwise.tools.cli import main
+
+
+def draft(drafter, request: DraftRequest):
+    """One drafting step outside the loop: the drafter's per-call state first, as `generate` prepares it."""
+    return drafter.get_candidates(dataclasses.replace(request, drafter_state=drafter.prepare(None, None)))
 
 
 def heads_with_shortlist(base, seed: int) -> BlockwiseHeadsModel:
@@ -75,8 +81,8 @@ def test_drafting_without_the_shortlist_uses_the_whole_vocabulary(tiny_models) -
         max_drafts=torch.full((6,), 3),
         last_states=states,
     )
-    shortlisted = model.drafter().get_candidates(request).tokens
-    everything = model.drafter(use_shortlist=False).get_candidates(request).tokens
+    shortlisted = draft(model.drafter(), request).tokens
+    everything = draft(model.drafter(use_shortlist=False), request).tokens
     assert torch.isin(shortlisted, model.heads.shortlist).all()
     full_argmax = model.base_model.get_output_embeddings()(model.heads(states)) + model.base_model.final_logits_bias
     assert torch.equal(everything, full_argmax.argmax(dim=-1))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -20,8 +21,13 @@ from hf_blockwise import (
     first_divergence,
     frequent_tokens,
 )
-from hf_blockwise.heads import output_projection_logits
+from hf_blockwise.boundary import output_projection_logits
 from hf_blockwise.serialization import atomic_write_text
+
+
+def draft(drafter, request: DraftRequest):
+    """One drafting step outside the loop: the drafter's per-call state first, as `generate` prepares it."""
+    return drafter.get_candidates(dataclasses.replace(request, drafter_state=drafter.prepare(None, None)))
 
 
 def trained_looking_heads(base, block_size: int = 4, seed: int = 0) -> BlockwiseHeadsModel:
@@ -277,7 +283,7 @@ def test_shortlist_restricts_proposals_keeps_output_and_is_saved(tmp_path, tiny_
         max_drafts=torch.full((5,), 3),
         last_states=states,
     )
-    drafts = model.drafter().get_candidates(request)
+    drafts = draft(model.drafter(), request)
     assert torch.isin(drafts.tokens, shortlist).all()
     # among the shortlist, each head proposes exactly what the full projection ranks highest
     full_logits = output_projection_logits(base, model.heads(states))  # (5, 3, V)
@@ -313,8 +319,8 @@ def test_fewer_heads_propose_the_prefix_of_all_heads(tiny_models) -> None:
         max_drafts=torch.full((4,), 5),
         last_states=torch.randn(4, base.config.d_model),
     )
-    every_head = model.drafter().get_candidates(request).tokens  # (4, 5)
-    first_two = model.drafter(block_size=3).get_candidates(request)
+    every_head = draft(model.drafter(), request).tokens  # (4, 5)
+    first_two = draft(model.drafter(block_size=3), request)
     assert torch.equal(first_two.tokens, every_head[:, :2]) and first_two.lengths.tolist() == [2] * 4
     batch = random_batch(base, 2, seed=9)
     greedy = base.generate(**batch, max_new_tokens=15)
@@ -343,3 +349,18 @@ def test_token_conditioned_heads_train_save_and_reload(tmp_path, tiny_models, ar
     assert reloaded.blockwise_config.condition_on_token
     assert torch.equal(reloaded.heads.up.weight, model.heads.up.weight)
     assert torch.equal(reloaded.generate(**batch, max_new_tokens=10), base.generate(**batch, max_new_tokens=10))
+
+
+def test_heads_drafter_derives_the_shortlist_projection_per_call_not_once(tiny_models) -> None:
+    """A drafter made before `set_shortlist` (or `.to()`) drafts with the model as it is at `generate` time."""
+    model = trained_looking_heads(tiny_models["bart"], block_size=4, seed=3)
+    drafter = model.drafter()  # no shortlist yet
+    model.set_shortlist([1, 5, 6, 7])
+    request = DraftRequest(
+        sequences=torch.zeros(3, 4, dtype=torch.long),
+        lengths=torch.ones(3, dtype=torch.long),
+        max_drafts=torch.full((3,), 3),
+        last_states=torch.randn(3, model.config.d_model),
+    )
+    assert torch.isin(draft(drafter, request).tokens, torch.tensor([1, 5, 6, 7])).all()
+    model.set_shortlist(None)

@@ -10,8 +10,8 @@ from conftest import build_model, random_batch
 from datasets import Dataset
 
 from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel
-from hf_blockwise.trainer import BlockwiseTrainer
-from hf_blockwise.trainer_config import BlockwiseTrainingArguments
+from hf_blockwise.training.blockwise_config import BlockwiseTrainingArguments
+from hf_blockwise.training.blockwise_trainer import BlockwiseTrainer
 
 
 def copy_task(num_examples: int, seed: int) -> Dataset:

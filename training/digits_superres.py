@@ -24,35 +24,50 @@ and heads in ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from datasets import Dataset
-from transformers import MarianConfig, MarianMTModel
+from transformers import HfArgumentParser, MarianConfig, MarianMTModel
 
 from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, DistanceAcceptance, ExactAcceptance
 from hf_blockwise.serialization import atomic_write_text
-from hf_blockwise.trainer import BlockwiseTrainer
-from hf_blockwise.trainer_config import BlockwiseTrainingArguments
+from hf_blockwise.training.blockwise_config import BlockwiseTrainingArguments
+from hf_blockwise.training.blockwise_trainer import BlockwiseTrainer
 
 PAD, EOS, OFFSET = 0, 1, 3  # token id of intensity v is v + OFFSET
 LEVELS = 17
 NUM_TRAIN = 1500
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--out", default="checkpoints/digits")
-    parser.add_argument("--docs", default="docs/digits_distance.md")
-    parser.add_argument("--base-epochs", type=int, default=40)
-    parser.add_argument("--head-epochs", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 2.0, 3.0])
-    return parser.parse_args(argv)
+@dataclass
+class DigitsSuperresArguments:
+    """Command-line flags of this recipe; each field is ``--field-name`` (or ``--field_name``)."""
+
+    out: str = field(default="checkpoints/digits", metadata={"help": "output directory (model and results.json)"})
+    docs: str = field(default="docs/digits_distance.md", metadata={"help": "Markdown report to (re)write"})
+    base_epochs: int = field(default=40, metadata={"help": "training epochs of the base"})
+    head_epochs: int = field(default=20, metadata={"help": "training epochs of the heads"})
+    threads: int = field(default=2, metadata={"help": "torch.set_num_threads"})
+    epsilons: list[float] = field(
+        default_factory=lambda: [1.0, 2.0, 3.0], metadata={"help": "tolerances ε of distance-based acceptance"}
+    )
+
+
+def parse_args(argv: Sequence[str] | None = None) -> DigitsSuperresArguments:
+    """Parse the command line (``sys.argv[1:]`` when ``argv`` is None) into `DigitsSuperresArguments`."""
+    parser = HfArgumentParser(DigitsSuperresArguments, description=__doc__.split("\n", 1)[0])
+    # no ``<script>.args`` file is read: the flags are exactly the command line (or ``argv``)
+    args, unknown = parser.parse_args_into_dataclasses(
+        args=argv, return_remaining_strings=True, look_for_args_file=False
+    )
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def digit_pairs() -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ with the first k − 1 of those heads (``HeadsDrafter(model, block_size=k)``), i
 model per k. Heads get ``--head-hidden-size`` (192) units each (k = 10 then fits the 25 MB package limit).
 For each setting and k, on the first
 ``--eval-sentences`` sentences of test_2016_flickr at batch 1, greedy and blockwise decoding run back to back
-(``hf_blockwise.evaluation.compare_to_greedy``): BLEU, mean accepted block, identical outputs and the
+(``hf_blockwise.tools.evaluation.compare_to_greedy``): BLEU, mean accepted block, identical outputs and the
 wall-clock ratio to that setting's own greedy ``generate``.
 
 Exact command (from the repository root, after ``training/train_base.py`` and ``training/train_heads.py``,
@@ -30,21 +30,21 @@ idle machine.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, HfArgumentParser
 from transformers.utils import logging as transformers_logging
 
 from hf_blockwise import BlockwiseHeadsModel
-from hf_blockwise.evaluation import compare_to_greedy
 from hf_blockwise.serialization import atomic_write_text
+from hf_blockwise.tools.evaluation import compare_to_greedy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_heads
@@ -58,29 +58,52 @@ SETTINGS = {
 BLOCK_SIZES = (2, 4, 6, 8, 10)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--base", default="checkpoints/base-multi30k")
-    parser.add_argument("--dataset", default=str(train_heads.DEFAULT_DATA_DIR))
-    parser.add_argument("--out", default="checkpoints/table1")
-    parser.add_argument("--distilled-cache", default="checkpoints/heads-k4/distilled-beam1.jsonl")
-    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    parser.add_argument("--block-sizes", nargs="+", type=int, default=list(BLOCK_SIZES))
-    parser.add_argument("--head-hidden-size", type=int, default=192)
-    parser.add_argument("--train-sentences", type=int, default=None)
-    parser.add_argument("--epochs", type=float, default=1.0)
-    parser.add_argument("--eval-sentences", type=int, default=300)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--docs", default="docs/table1.md", help="Markdown table to (re)write")
-    parser.add_argument(
-        "--reevaluate",
-        action="store_true",
-        help="decode and time again with each setting's saved final model (e.g. on a quiet machine); no training",
+@dataclass
+class SweepTable1Arguments:
+    """Command-line flags of the sweep; each field is ``--field-name`` (or ``--field_name``)."""
+
+    base: str = field(default="checkpoints/base-multi30k", metadata={"help": "base checkpoint directory"})
+    dataset: str = field(default=str(train_heads.DEFAULT_DATA_DIR), metadata={"help": "Multi30k folder or hub name"})
+    out: str = field(default="checkpoints/table1", metadata={"help": "output directory, one folder per setting"})
+    distilled_cache: str = field(
+        default="checkpoints/heads-k4/distilled-beam1.jsonl",
+        metadata={"help": "JSON-lines cache of the base's greedy outputs (written by train_heads.py)"},
     )
-    return parser.parse_args(argv)
+    settings: list[str] = field(
+        default_factory=lambda: list(SETTINGS),
+        metadata={"choices": list(SETTINGS), "help": "training settings to run, in this order"},
+    )
+    block_sizes: list[int] = field(
+        default_factory=lambda: list(BLOCK_SIZES),
+        metadata={"help": "block sizes k to decode with; one model with the largest k is trained per setting"},
+    )
+    head_hidden_size: int = field(default=192, metadata={"help": "hidden width per head"})
+    train_sentences: int | None = field(default=None, metadata={"help": "use only the first N (smoke tests)"})
+    epochs: float = field(default=1.0, metadata={"help": "training epochs per setting"})
+    eval_sentences: int = field(default=300, metadata={"help": "test_2016_flickr sentences decoded per setting and k"})
+    threads: int = field(default=2, metadata={"help": "torch.set_num_threads"})
+    docs: str = field(default="docs/table1.md", metadata={"help": "Markdown table to (re)write"})
+    reevaluate: bool = field(
+        default=False,
+        metadata={
+            "help": "decode and time again with each setting's saved final model (e.g. on a quiet machine); no training"
+        },
+    )
 
 
-def train_setting(args: argparse.Namespace, setting: str) -> tuple[BlockwiseHeadsModel, object, dict, float]:
+def parse_args(argv: Sequence[str] | None = None) -> SweepTable1Arguments:
+    """Parse the command line (``sys.argv[1:]`` when ``argv`` is None) into `SweepTable1Arguments`."""
+    parser = HfArgumentParser(SweepTable1Arguments, description=__doc__.split("\n", 1)[0])
+    # no ``<script>.args`` file is read: the flags are exactly the command line (or ``argv``)
+    args, unknown = parser.parse_args_into_dataclasses(
+        args=argv, return_remaining_strings=True, look_for_args_file=False
+    )
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
+def train_setting(args: SweepTable1Arguments, setting: str) -> tuple[BlockwiseHeadsModel, object, dict, float]:
     targets, base_training = SETTINGS[setting]
     out = os.path.join(args.out, setting)
     heads_args = train_heads.parse_args(
@@ -99,7 +122,7 @@ def train_setting(args: argparse.Namespace, setting: str) -> tuple[BlockwiseHead
     return model, tokenizer, data, time.time() - started
 
 
-def evaluate_setting(args: argparse.Namespace, model: BlockwiseHeadsModel, tokenizer, data) -> dict[int, dict]:
+def evaluate_setting(args: SweepTable1Arguments, model: BlockwiseHeadsModel, tokenizer, data) -> dict[int, dict]:
     sources, references = (split[: args.eval_sentences] for split in data["test"])
     results = {}
     for block_size in args.block_sizes:
@@ -111,7 +134,7 @@ def evaluate_setting(args: argparse.Namespace, model: BlockwiseHeadsModel, token
     return results
 
 
-def markdown_table(results: dict[str, dict], base_bleu: float, args: argparse.Namespace) -> str:
+def markdown_table(results: dict[str, dict], base_bleu: float, args: SweepTable1Arguments) -> str:
     block_sizes = sorted({int(k) for result in results.values() for k in result["by_block_size"]})
     header = "| setting | " + " | ".join(f"k={k}" for k in block_sizes) + " |"
     lines = [header, "|---" * (len(block_sizes) + 1) + "|"]

@@ -38,7 +38,6 @@ Wall time on a 2-core CPU (2 threads): about 150 s per epoch with evaluation, 21
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gzip
 import json
@@ -46,16 +45,16 @@ import math
 import random
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import sacrebleu
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from tqdm.auto import tqdm
-from transformers import GenerationConfig, MarianConfig, MarianMTModel, PreTrainedTokenizerFast
+from transformers import GenerationConfig, HfArgumentParser, MarianConfig, MarianMTModel, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
 from hf_blockwise.serialization import atomic_write, atomic_write_text
@@ -87,39 +86,54 @@ class Example:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse the command line."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument(
-        "--task",
-        choices=["multi30k-en-de", "gec"],
+@dataclass
+class TrainBaseArguments:
+    """Command-line flags of this recipe; each field is ``--field-name`` (or ``--field_name``)."""
+
+    task: Literal["multi30k-en-de", "gec"] = field(
         default="multi30k-en-de",
-        help="gec: error correction on W&I+LOCNESS + FCE train, W&I dev for validation, JFLEG dev as test",
+        metadata={
+            "help": "gec: error correction on W&I+LOCNESS + FCE train, W&I dev for validation, JFLEG dev as test"
+        },
     )
-    p.add_argument(
-        "--dataset",
+    dataset: str | None = field(
         default=None,
-        help="multi30k-en-de: local Multi30k folder (default: ../shared/data/multi30k from the repo root) or a "
-        "Hub dataset id such as bentrevett/multi30k; gec: the folder holding gec_wi_locness/, gec_fce/, jfleg/",
+        metadata={
+            "help": "multi30k-en-de: local Multi30k folder (unset: ../shared/data/multi30k from the repo root) or "
+            "a Hub dataset id such as bentrevett/multi30k; gec: the folder holding gec_wi_locness/, gec_fce/, jfleg/"
+        },
     )
-    p.add_argument("--out", default="checkpoints/base-multi30k", help="output / checkpoint directory")
-    p.add_argument("--epochs", type=int, default=8)
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps in total")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    p.add_argument("--max-tokens", type=int, default=4096, help="padded target tokens per batch")
-    p.add_argument("--max-len", type=int, default=128, help="truncate sentences to this many tokens")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    p.add_argument("--warmup-steps", type=int, default=300)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--label-smoothing", type=float, default=0.1)
-    p.add_argument("--clip-norm", type=float, default=1.0)
-    p.add_argument("--save-every", type=int, default=200, help="save the training state every N steps")
-    p.add_argument("--eval-sentences", type=int, default=300, help="sentences used for val / test BLEU")
-    p.add_argument("--eval-batch-size", type=int, default=32)
-    p.add_argument("--vocab-size", type=int, default=8000)
-    p.add_argument("--ship", default=None, help="also write the model (fp16), tokenizer and a model card here")
-    return p.parse_args(argv)
+    out: str = field(default="checkpoints/base-multi30k", metadata={"help": "output / checkpoint directory"})
+    epochs: int = field(default=8, metadata={"help": "training epochs"})
+    max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps in total"})
+    seed: int = field(default=1234, metadata={"help": "seed of initialisation and batch order"})
+    threads: int = field(default=2, metadata={"help": "torch.set_num_threads"})
+    max_tokens: int = field(default=4096, metadata={"help": "padded target tokens per batch"})
+    max_len: int = field(default=128, metadata={"help": "truncate sentences to this many tokens"})
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
+    warmup_steps: int = field(default=300, metadata={"help": "linear warmup steps before the inverse-sqrt decay"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    label_smoothing: float = field(default=0.1, metadata={"help": "label smoothing of the training loss"})
+    clip_norm: float = field(default=1.0, metadata={"help": "gradient norm clipping (0: none)"})
+    save_every: int = field(default=200, metadata={"help": "save the training state every N steps"})
+    eval_sentences: int = field(default=300, metadata={"help": "sentences used for val / test BLEU"})
+    eval_batch_size: int = field(default=32, metadata={"help": "batch size of the BLEU decoding"})
+    vocab_size: int = field(default=8000, metadata={"help": "BPE vocabulary size"})
+    ship: str | None = field(
+        default=None, metadata={"help": "also write the model (fp16), tokenizer and a model card here"}
+    )
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainBaseArguments:
+    """Parse the command line (``sys.argv[1:]`` when ``argv`` is None) into `TrainBaseArguments`."""
+    parser = HfArgumentParser(TrainBaseArguments, description=__doc__.split("\n", 1)[0])
+    # no ``<script>.args`` file is read: the flags are exactly the command line
+    args, unknown = parser.parse_args_into_dataclasses(
+        args=argv, return_remaining_strings=True, look_for_args_file=False
+    )
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -538,7 +552,7 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     batch: dict[str, torch.Tensor],
-    args: argparse.Namespace,
+    args: TrainBaseArguments,
 ) -> tuple[float, int]:
     """One optimizer step on one batch; returns (summed loss, target tokens)."""
     model.train()
@@ -554,14 +568,14 @@ def train_step(
     return float(loss_sum.detach()), n_tokens
 
 
-def iterate_epoch(examples: Sequence[Example], args: argparse.Namespace, epoch: int, skip: int) -> Iterator[list[int]]:
+def iterate_epoch(examples: Sequence[Example], args: TrainBaseArguments, epoch: int, skip: int) -> Iterator[list[int]]:
     """Yield this epoch's batches (deterministic per seed and epoch), skipping the first ``skip``."""
     batches = make_batches(examples, args.max_tokens, seed=args.seed * 1000 + epoch)
     yield from batches[skip:]
 
 
 def run_training(
-    args: argparse.Namespace,
+    args: TrainBaseArguments,
     model: MarianMTModel,
     tokenizer: PreTrainedTokenizerFast,
     data: dict[str, Pairs],
@@ -622,13 +636,13 @@ def run_training(
     return progress, log
 
 
-def _done(progress: Progress, args: argparse.Namespace) -> bool:
+def _done(progress: Progress, args: TrainBaseArguments) -> bool:
     """True once ``--max-steps`` is reached."""
     return args.max_steps is not None and progress.step >= args.max_steps
 
 
 def finish_epoch(
-    args: argparse.Namespace,
+    args: TrainBaseArguments,
     model: MarianMTModel,
     tokenizer: PreTrainedTokenizerFast,
     data: dict[str, Pairs],
@@ -657,7 +671,7 @@ def finish_epoch(
 
 
 def finalize(
-    args: argparse.Namespace,
+    args: TrainBaseArguments,
     model: MarianMTModel,
     tokenizer: PreTrainedTokenizerFast,
     data: dict[str, Pairs],
@@ -675,7 +689,7 @@ def finalize(
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     log_out = {
-        "args": dict(vars(args)),
+        "args": asdict(args),
         "steps": progress.step,
         "epochs_completed": progress.epoch,
         "epochs": log["epochs"],
@@ -743,7 +757,7 @@ Research artefact trained here from scratch by `training/train_base.py --task ge
 }
 
 
-def ship(model: MarianMTModel, tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace, out_dir: Path) -> None:
+def ship(model: MarianMTModel, tokenizer: PreTrainedTokenizerFast, args: TrainBaseArguments, out_dir: Path) -> None:
     """The trained model in fp16 with its tokenizer and a model card, for the package or a notebook."""
     log = json.loads((out_dir / LOG_FILE).read_text())
     ship_dir = Path(args.ship)

@@ -4,7 +4,7 @@ What it does:
 
 1. Loads the base trained by ``training/train_base.py`` and its tokenizer.
 2. Targets: ``--targets gold`` uses the German references; ``--targets distilled`` (default) uses the base's
-   own outputs on the training sources (Stern §6.2), decoded once with ``hf_blockwise.distill`` and cached in
+   own outputs on the training sources (Stern §6.2), decoded once with ``hf_blockwise.training.distill`` and cached in
    ``<out>/distilled.jsonl`` (resumable). With a frozen base the heads must predict the base's *greedy* output,
    so the teacher decodes greedily by default (``--teacher-beams 1``).
 3. Trains ``block_size - 1`` heads with the base frozen (lossless decoding) and resumes from the newest
@@ -28,70 +28,85 @@ identical to greedy; teacher-forced top-1 accuracy of heads 1 / 2 / 3: 0.48 / 0.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from accelerate import PartialState
 from datasets import Dataset
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, HfArgumentParser
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, frequent_tokens
-from hf_blockwise.distill import distill_texts
-from hf_blockwise.evaluation import compare_to_greedy
 from hf_blockwise.serialization import atomic_write_text
-from hf_blockwise.trainer import BlockwiseTrainer
-from hf_blockwise.trainer_config import BlockwiseTrainingArguments
+from hf_blockwise.tools.evaluation import compare_to_greedy
+from hf_blockwise.training.blockwise_config import BlockwiseTrainingArguments
+from hf_blockwise.training.blockwise_trainer import BlockwiseTrainer
+from hf_blockwise.training.distill import distill_texts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_base import DEFAULT_DATA_DIR, load_multi30k
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--base", default="checkpoints/base-multi30k", help="base checkpoint directory")
-    parser.add_argument("--dataset", default=str(DEFAULT_DATA_DIR), help="Multi30k folder or hub name")
-    parser.add_argument("--out", default="checkpoints/heads-k4", help="output / checkpoint directory")
-    parser.add_argument("--block-size", type=int, default=4, help="k: tokens per step, k - 1 heads")
-    parser.add_argument("--head-hidden-size", type=int, default=None, help="hidden width per head")
-    parser.add_argument(
-        "--condition-on-token", action="store_true", help="heads also read the token the base chose (see config)"
+@dataclass
+class TrainHeadsArguments:
+    """Command-line flags of this recipe; each field is ``--field-name`` (or ``--field_name``)."""
+
+    base: str = field(default="checkpoints/base-multi30k", metadata={"help": "base checkpoint directory"})
+    dataset: str = field(default=str(DEFAULT_DATA_DIR), metadata={"help": "Multi30k folder or hub name"})
+    out: str = field(default="checkpoints/heads-k4", metadata={"help": "output / checkpoint directory"})
+    block_size: int = field(default=4, metadata={"help": "k: tokens per step, k - 1 heads"})
+    head_hidden_size: int | None = field(default=None, metadata={"help": "hidden width per head"})
+    condition_on_token: bool = field(
+        default=False, metadata={"help": "heads also read the token the base chose (see config)"}
     )
-    parser.add_argument("--targets", choices=["gold", "distilled"], default="distilled")
-    parser.add_argument("--teacher-beams", type=int, default=1, help="beam size of the distillation teacher")
-    parser.add_argument(
-        "--distilled-cache", default=None, help="JSON-lines cache of teacher outputs (default: in --out)"
+    targets: Literal["gold", "distilled"] = field(
+        default="distilled", metadata={"help": "gold: the references; distilled: the base's own outputs"}
     )
-    parser.add_argument(
-        "--base-training",
-        choices=["frozen", "full", "lora"],
+    teacher_beams: int = field(default=1, metadata={"help": "beam size of the distillation teacher"})
+    distilled_cache: str | None = field(
+        default=None, metadata={"help": "JSON-lines cache of teacher outputs (unset: in --out)"}
+    )
+    base_training: Literal["frozen", "full", "lora"] = field(
         default="frozen",
-        help="'full' fine-tunes the base too, 'lora' trains LoRA adapters (q_proj, v_proj) on it",
+        metadata={"help": "'full' fine-tunes the base too, 'lora' trains LoRA adapters (q_proj, v_proj) on it"},
     )
-    parser.add_argument("--epochs", type=float, default=1.0)
-    parser.add_argument("--max-steps", type=int, default=-1, help="stop early (smoke tests)")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--warmup-steps", type=int, default=100)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--train-sentences", type=int, default=None, help="use only the first N (smoke tests)")
-    parser.add_argument("--eval-sentences", type=int, default=300)
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="length limit of distillation and test")
-    parser.add_argument("--eval-batch-size", type=int, default=1, help="batch size of the test decoding")
-    parser.add_argument(
-        "--shortlist",
-        type=int,
+    epochs: float = field(default=1.0, metadata={"help": "training epochs"})
+    max_steps: int = field(default=-1, metadata={"help": "stop early (smoke tests)"})
+    batch_size: int = field(default=64, metadata={"help": "training batch size per process"})
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate (linear warmup and decay)"})
+    warmup_steps: int = field(default=100, metadata={"help": "linear warmup steps"})
+    threads: int = field(default=2, metadata={"help": "torch.set_num_threads"})
+    train_sentences: int | None = field(default=None, metadata={"help": "use only the first N (smoke tests)"})
+    eval_sentences: int = field(default=300, metadata={"help": "test_2016_flickr sentences decoded at the end"})
+    max_new_tokens: int = field(default=128, metadata={"help": "length limit of distillation and test"})
+    eval_batch_size: int = field(default=1, metadata={"help": "batch size of the test decoding"})
+    shortlist: int | None = field(
         default=None,
-        help="after training, restrict the heads' proposals to the N most frequent target tokens (output unchanged)",
+        metadata={
+            "help": "after training, restrict the heads' proposals to the N most frequent target tokens "
+            "(output unchanged)"
+        },
     )
-    parser.add_argument("--ship", default=None, help="also write a self-contained shipped checkpoint here")
-    return parser.parse_args(argv)
+    ship: str | None = field(default=None, metadata={"help": "also write a self-contained shipped checkpoint here"})
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainHeadsArguments:
+    """Parse the command line (``sys.argv[1:]`` when ``argv`` is None) into `TrainHeadsArguments`."""
+    parser = HfArgumentParser(TrainHeadsArguments, description=__doc__.split("\n", 1)[0])
+    # no ``<script>.args`` file is read: the flags are exactly the command line (or ``argv``)
+    args, unknown = parser.parse_args_into_dataclasses(
+        args=argv, return_remaining_strings=True, look_for_args_file=False
+    )
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def encode(tokenizer, sources: Sequence[str], targets: Sequence[str]) -> Dataset:
@@ -155,7 +170,7 @@ def save_final(model: BlockwiseHeadsModel, directory: str, base_training: str) -
         model.save_pretrained(directory)
 
 
-def train(args: argparse.Namespace):
+def train(args: TrainHeadsArguments):
     """Trains (or resumes) heads as `args` say; returns the model (in eval mode), tokenizer and data splits."""
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.base)

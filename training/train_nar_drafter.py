@@ -4,7 +4,7 @@ What it does:
 
 1. Loads the base (the verifier) and its tokenizer.
 2. Targets: the base's own greedy outputs on the training sources (sequence-level distillation, decoded once
-   with ``hf_blockwise.distill`` and cached as JSON lines; ``train_heads.py`` writes the same cache, pass it
+   with ``hf_blockwise.training.distill`` and cached as JSON lines; ``train_heads.py`` writes the same cache, pass it
    with ``--distilled-cache`` to skip the 6 minutes of decoding).
 3. Builds the drafter from the verifier (``NonAutoregressiveDrafter.from_verifier``: same architecture,
    ``--decoder-layers`` decoder layers, weights copied from the verifier, the tokenizer's unknown token as
@@ -29,54 +29,67 @@ Wall time on a 2-core CPU (2 threads): about 29 minutes for the command above. `
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, TrainerCallback
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, HfArgumentParser, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from hf_blockwise.distill import distill_texts
-from hf_blockwise.evaluation import compare_to_greedy
-from hf_blockwise.nar_drafter import NonAutoregressiveDrafter
-from hf_blockwise.nar_trainer import NARDrafterTrainer
-from hf_blockwise.nar_trainer_config import NARDrafterTrainingArguments
+from hf_blockwise.drafters.nar import NonAutoregressiveDrafter
 from hf_blockwise.serialization import atomic_write_text
+from hf_blockwise.tools.evaluation import compare_to_greedy
+from hf_blockwise.training.distill import distill_texts
+from hf_blockwise.training.nar_config import NARDrafterTrainingArguments
+from hf_blockwise.training.nar_trainer import NARDrafterTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_base import DEFAULT_DATA_DIR, load_multi30k
 from train_heads import encode
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--base", default="hf_blockwise/pretrained/multi30k-en-de", help="verifier checkpoint")
-    parser.add_argument("--dataset", default=str(DEFAULT_DATA_DIR), help="Multi30k folder or hub name")
-    parser.add_argument("--out", default="checkpoints/nar-k8", help="output / checkpoint directory")
-    parser.add_argument(
-        "--distilled-cache", default=None, help="JSON-lines cache of greedy outputs (default: in --out)"
+@dataclass
+class TrainNARDrafterArguments:
+    """Command-line flags of this recipe; each field is ``--field-name`` (or ``--field_name``)."""
+
+    base: str = field(default="hf_blockwise/pretrained/multi30k-en-de", metadata={"help": "verifier checkpoint"})
+    dataset: str = field(default=str(DEFAULT_DATA_DIR), metadata={"help": "Multi30k folder or hub name"})
+    out: str = field(default="checkpoints/nar-k8", metadata={"help": "output / checkpoint directory"})
+    distilled_cache: str | None = field(
+        default=None, metadata={"help": "JSON-lines cache of greedy outputs (unset: in --out)"}
     )
-    parser.add_argument("--block-size", type=int, default=8, help="k: tokens per step, k - 1 drafts")
-    parser.add_argument("--decoder-layers", type=int, default=1)
-    parser.add_argument("--encoder-layers", type=int, default=None, help="default: the verifier's")
-    parser.add_argument("--freeze-encoder", action="store_true", help="train the decoder only")
-    parser.add_argument("--epochs", type=float, default=4.0)
-    parser.add_argument("--prefixes-per-example", type=int, default=4)
-    parser.add_argument("--max-steps", type=int, default=-1, help="stop early (smoke tests)")
-    parser.add_argument("--batch-size", type=int, default=32, help="examples per batch (times prefixes per example)")
-    parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--warmup-steps", type=int, default=200)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--train-sentences", type=int, default=None, help="use only the first N (smoke tests)")
-    parser.add_argument("--eval-sentences", type=int, default=300)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--ship", default=None, help="also write the drafter (fp16) here")
-    return parser.parse_args(argv)
+    block_size: int = field(default=8, metadata={"help": "k: tokens per step, k - 1 drafts"})
+    decoder_layers: int = field(default=1, metadata={"help": "decoder layers of the drafter"})
+    encoder_layers: int | None = field(default=None, metadata={"help": "unset: the verifier's"})
+    freeze_encoder: bool = field(default=False, metadata={"help": "train the decoder only"})
+    epochs: float = field(default=4.0, metadata={"help": "training epochs"})
+    prefixes_per_example: int = field(default=4, metadata={"help": "random prefixes per sentence per step"})
+    max_steps: int = field(default=-1, metadata={"help": "stop early (smoke tests)"})
+    batch_size: int = field(default=32, metadata={"help": "examples per batch (times prefixes per example)"})
+    lr: float = field(default=5e-4, metadata={"help": "peak learning rate (linear warmup and decay)"})
+    warmup_steps: int = field(default=200, metadata={"help": "linear warmup steps"})
+    threads: int = field(default=2, metadata={"help": "torch.set_num_threads"})
+    train_sentences: int | None = field(default=None, metadata={"help": "use only the first N (smoke tests)"})
+    eval_sentences: int = field(default=300, metadata={"help": "test_2016_flickr sentences decoded at the end"})
+    max_new_tokens: int = field(default=128, metadata={"help": "length limit of distillation and test"})
+    ship: str | None = field(default=None, metadata={"help": "also write the drafter (fp16) here"})
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainNARDrafterArguments:
+    """Parse the command line (``sys.argv[1:]`` when ``argv`` is None) into `TrainNARDrafterArguments`."""
+    parser = HfArgumentParser(TrainNARDrafterArguments, description=__doc__.split("\n", 1)[0])
+    # no ``<script>.args`` file is read: the flags are exactly the command line (or ``argv``)
+    args, unknown = parser.parse_args_into_dataclasses(
+        args=argv, return_remaining_strings=True, look_for_args_file=False
+    )
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 # training seconds so far, stored in each checkpoint so a resumed run reports its whole training time
@@ -103,7 +116,7 @@ class TrainingClock(TrainerCallback):
             atomic_write_text(os.path.join(checkpoint, CLOCK_FILE), text)
 
 
-def train(args: argparse.Namespace):
+def train(args: TrainNARDrafterArguments):
     """Trains (or resumes) the drafter; returns it (eval mode), the verifier, tokenizer, data splits and the
     training seconds of every run so far."""
     torch.set_num_threads(args.threads)
@@ -183,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"shipped to {args.ship}")
 
 
-def model_card(args: argparse.Namespace, results: dict, architecture: str) -> str:
+def model_card(args: TrainNARDrafterArguments, results: dict, architecture: str) -> str:
     slower = " See `docs/results.md` for why it is slower than greedy on a CPU." if results["speedup"] < 1 else ""
     machine = torch.cuda.get_device_name() if torch.cuda.is_available() else f"a {os.cpu_count()}-core CPU"
     return f"""# nar-drafter: a non-autoregressive drafter (GAD) for {os.path.basename(os.path.normpath(args.base))}

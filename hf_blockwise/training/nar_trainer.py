@@ -8,12 +8,11 @@ import torch
 from torch import nn
 from transformers import Seq2SeqTrainer
 
-from . import _hf_generation as hf
-from .decoding import blockwise_generate
-from .modeling import unwrap_base
-from .nar_drafter import NonAutoregressiveDrafter
-from .nar_trainer_config import NARDrafterTrainingArguments
-from .trainer import Seq2SeqPadCollator, StepMetrics, decode_for_evaluation
+from hf_blockwise import boundary as hf
+from hf_blockwise.drafters.nar import NonAutoregressiveDrafter
+from hf_blockwise.generation.loop import blockwise_generate
+from hf_blockwise.training.common import Seq2SeqPadCollator, StepMetrics, decode_for_evaluation
+from hf_blockwise.training.nar_config import NARDrafterTrainingArguments
 
 
 def sample_draft_rows(
@@ -65,7 +64,7 @@ class NARDrafterTrainer(Seq2SeqTrainer):
     Datasets hold `input_ids` (source) and `labels` (the full target, end-of-sequence included); each step
     draws `prefixes_per_example` prefix lengths per example ([`sample_draft_rows`]).
 
-    - Train on the verifier's own greedy outputs (sequence-level distillation, `hf_blockwise.distill`) so that
+    - Train on the verifier's own greedy outputs (sequence-level distillation, `hf_blockwise.training.distill`) so that
       drafts agree with what the verifier will accept; Ge et al. distil both models from one teacher.
     - The loss is the mean cross-entropy of the drafts; only their positions are projected onto the vocabulary.
     - `freeze_encoder=True` keeps the encoder as initialised (from the verifier, say), and with it the
@@ -99,7 +98,7 @@ class NARDrafterTrainer(Seq2SeqTrainer):
         super().__init__(model=drafter.model, args=args, **kwargs)
         self.drafter_config = drafter.config
         # a BlockwiseHeadsModel's own generate would bring its heads; the drafter is what is evaluated here
-        self.verifier = None if verifier is None else unwrap_base(verifier)
+        self.verifier = None if verifier is None else hf.unwrap_base(verifier)
         self._step_metrics = StepMetrics()
 
     def compute_loss(

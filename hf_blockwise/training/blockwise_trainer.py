@@ -4,115 +4,21 @@ from __future__ import annotations
 
 import os
 import random
-from collections import defaultdict
-from collections.abc import Sequence
 from typing import Any
 
-import sacrebleu
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from tqdm.auto import tqdm
 from transformers import AutoModelForSeq2SeqLM, Seq2SeqTrainer
 from transformers.trainer import TRAINING_ARGS_NAME
 
-from .config import CONFIG_NAME
-from .modeling import ADAPTER_WEIGHTS_NAME, WEIGHTS_NAME, BlockwiseHeadsModel
-from .trainer_config import BlockwiseTrainingArguments
+from hf_blockwise.modeling.config import CONFIG_NAME
+from hf_blockwise.modeling.model import ADAPTER_WEIGHTS_NAME, WEIGHTS_NAME, BlockwiseHeadsModel
+from hf_blockwise.training.blockwise_config import BlockwiseTrainingArguments
+from hf_blockwise.training.common import Seq2SeqPadCollator, StepMetrics, decode_for_evaluation
 
 # In a checkpoint written while the base is trained, the base sits beside the heads.
 BASE_IN_CHECKPOINT = "."
-
-
-class Seq2SeqPadCollator:
-    """Pads `input_ids`/`attention_mask` with the pad id and `labels` with -100; the base model derives its
-    decoder inputs from the labels itself."""
-
-    def __init__(self, pad_token_id: int) -> None:
-        self.pad_token_id = pad_token_id
-
-    def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        def pad(key: str, value: int) -> torch.Tensor:
-            rows = [list(feature[key]) for feature in features]
-            width = max(len(row) for row in rows)
-            return torch.tensor([row + [value] * (width - len(row)) for row in rows], dtype=torch.long)
-
-        batch = {"input_ids": pad("input_ids", self.pad_token_id), "labels": pad("labels", -100)}
-        batch["attention_mask"] = (
-            pad("attention_mask", 0) if "attention_mask" in features[0] else (batch["input_ids"] != self.pad_token_id)
-        ).long()
-        return batch
-
-
-class StepMetrics:
-    """Metrics recorded at each training or evaluation step, averaged into the next `Trainer.log` call.
-
-    A log call that carries `loss` is a training log and takes the training means; any other is an evaluation
-    log and takes the evaluation means under an `eval_` prefix. Both trainers keep one.
-    """
-
-    def __init__(self) -> None:
-        self._values: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
-
-    def add(self, split: str, key: str, value: float) -> None:
-        self._values[split][key].append(value)
-
-    def pop_means(self, logs: dict[str, float]) -> dict[str, float]:
-        """The means for the kind of log `logs` is, with their log names; forgets them."""
-        split = "train" if "loss" in logs else "eval"
-        prefix = "" if split == "train" else "eval_"
-        means = {f"{prefix}{key}": sum(values) / len(values) for key, values in self._values[split].items() if values}
-        self._values[split].clear()
-        return means
-
-
-def decode_for_evaluation(
-    model: nn.Module,
-    dataset,
-    pad_token_id: int,
-    batch_size: int,
-    max_new_tokens: int,
-    limit: int | None = None,
-    tokenizer: Any = None,
-    description: str = "blockwise eval",
-    show_progress: bool = True,
-    **generate_kwargs: Any,
-) -> dict[str, float]:
-    """Decodes (the first `limit` examples of) a tokenized dataset blockwise; mean accepted block, and BLEU
-    against the labels when a tokenizer is given. The evaluation both trainers run.
-
-    Args:
-        model: what `generate` is called on (a `BlockwiseHeadsModel`, or a verifier given `custom_generate`
-            and `assistant` in `generate_kwargs`); it must return `decoding_stats`.
-        dataset: rows with `input_ids` (and `attention_mask`, `labels`).
-
-    Returns:
-        `{"mean_accepted": ...}`, plus `"bleu"` (sacreBLEU, detokenized) when `tokenizer` is given.
-    """
-    limit = len(dataset) if limit is None else min(limit, len(dataset))
-    examples = [dataset[index] for index in range(limit)]
-    collator = Seq2SeqPadCollator(pad_token_id)
-    device = next(model.parameters()).device
-    accepted, hypotheses, references = [], [], []
-    for start in tqdm(range(0, len(examples), batch_size), desc=description, disable=not show_progress):
-        batch = collator(examples[start : start + batch_size])
-        output = model.generate(
-            input_ids=batch["input_ids"].to(device),
-            attention_mask=batch["attention_mask"].to(device),
-            max_new_tokens=max_new_tokens,
-            return_dict_in_generate=True,
-            **generate_kwargs,
-        )
-        steps = output.decoding_stats.accepted  # (B, steps); 0 where a row had finished
-        accepted.append(steps[steps > 0])
-        if tokenizer is not None:
-            hypotheses += tokenizer.batch_decode(output.sequences, skip_special_tokens=True)
-            labels = batch["labels"].masked_fill(batch["labels"] == -100, pad_token_id)
-            references += tokenizer.batch_decode(labels, skip_special_tokens=True)
-    results = {"mean_accepted": float(torch.cat(accepted).float().mean())}
-    if hypotheses:
-        results["bleu"] = sacrebleu.corpus_bleu(hypotheses, [references]).score
-    return results
 
 
 def _with_lora(base_model: nn.Module, args: BlockwiseTrainingArguments) -> nn.Module:

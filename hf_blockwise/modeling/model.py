@@ -14,14 +14,23 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForSeq2SeqLM, PreTrainedModel
-from transformers.utils import ModelOutput, cached_file
+from transformers.utils import ModelOutput
 
-from . import _hf_generation as hf
-from .config import CONFIG_NAME, BlockwiseConfig
-from .decoding import blockwise_generate
-from .drafters import Drafter, HeadsDrafter
-from .heads import BlockwiseHeads, output_projection_logits
-from .serialization import atomic_write
+from hf_blockwise import boundary as hf
+from hf_blockwise.boundary import (
+    BaseModelWrapper,
+    base_location,
+    decoder_ffn_width,
+    has_file,
+    output_projection_logits,
+    resolve_file,
+)
+from hf_blockwise.drafters.base import Drafter
+from hf_blockwise.drafters.heads import HeadsDrafter
+from hf_blockwise.generation.loop import blockwise_generate
+from hf_blockwise.modeling.config import CONFIG_NAME, BlockwiseConfig
+from hf_blockwise.modeling.heads import BlockwiseHeads
+from hf_blockwise.serialization import atomic_write
 
 WEIGHTS_NAME = "blockwise_heads.safetensors"
 # PEFT's own file names: a LoRA adapter on the base is stored beside the heads exactly as PEFT stores it.
@@ -55,18 +64,6 @@ class BlockwiseHeadsOutput(ModelOutput):
     head_logits: torch.Tensor | None = None
 
 
-def decoder_ffn_width(config: Any) -> int:
-    """The base decoder's feed-forward width, read from the standard transformers config attributes."""
-    for name in ("decoder_ffn_dim", "d_ff", "ffn_dim", "intermediate_size"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    raise ValueError(
-        f"Cannot tell the decoder feed-forward width of a {type(config).__name__}; set "
-        "BlockwiseConfig(head_hidden_size=...) explicitly"
-    )
-
-
 def base_signature(base_model: nn.Module) -> dict[str, Any]:
     """What heads must agree with: model type, width of the projected states, vocabulary size."""
     projection = base_model.get_output_embeddings()
@@ -95,7 +92,7 @@ def check_heads_fit(config: BlockwiseConfig, base_model: nn.Module) -> None:
         )
 
 
-class BlockwiseHeadsModel(nn.Module):
+class BlockwiseHeadsModel(BaseModelWrapper):
     """A transformers seq2seq model wrapped, not forked, with k − 1 proposal heads (Stern et al. 2018).
 
     The base model is held unchanged; its next-token distribution p1 is used as is, so with a frozen base and
@@ -120,14 +117,16 @@ class BlockwiseHeadsModel(nn.Module):
     def __init__(self, base_model: PreTrainedModel, config: BlockwiseConfig | None = None) -> None:
         super().__init__()
         hf.encoder_decoder_only(base_model)
+        hf.check_output_projection(base_model)
         config = BlockwiseConfig() if config is None else config
         check_heads_fit(config, base_model)
         signature = base_signature(base_model)
+        decoder_config = hf.decoder_config(base_model.config)
         self.blockwise_config = BlockwiseConfig.from_dict(
             {
                 **config.to_dict(),
                 **signature,
-                "head_hidden_size": config.head_hidden_size or decoder_ffn_width(base_model.config),
+                "head_hidden_size": config.head_hidden_size or decoder_ffn_width(decoder_config),
                 "base_model_name_or_path": config.base_model_name_or_path
                 or getattr(base_model, "name_or_path", None)
                 or None,
@@ -308,7 +307,7 @@ class BlockwiseHeadsModel(nn.Module):
                 (LoRA training) is loaded onto it and merged, so decoding is exact with respect to the merged
                 model.
         """
-        config = BlockwiseConfig.from_json_file(_resolve(heads_name_or_path, CONFIG_NAME))
+        config = BlockwiseConfig.from_json_file(resolve_file(heads_name_or_path, CONFIG_NAME))
         if base_model is None:
             if config.base_model_name_or_path is None:
                 raise ValueError(
@@ -316,24 +315,15 @@ class BlockwiseHeadsModel(nn.Module):
                     "base_model= explicitly"
                 )
             base_model = AutoModelForSeq2SeqLM.from_pretrained(
-                _base_location(heads_name_or_path, config.base_model_name_or_path), **base_model_kwargs
+                base_location(heads_name_or_path, config.base_model_name_or_path), **base_model_kwargs
             )
-        if _has_file(heads_name_or_path, ADAPTER_CONFIG_NAME):
+        if has_file(heads_name_or_path, ADAPTER_CONFIG_NAME):
             from peft import PeftModel
 
             base_model = PeftModel.from_pretrained(base_model, str(heads_name_or_path)).merge_and_unload()
         model = cls(base_model, config)
-        model.heads.load_state_dict(_load_head_weights(_resolve(heads_name_or_path, WEIGHTS_NAME), model.heads))
+        model.heads.load_state_dict(_load_head_weights(resolve_file(heads_name_or_path, WEIGHTS_NAME), model.heads))
         return model
-
-
-def unwrap_base(model: nn.Module) -> nn.Module:
-    """The transformers model inside a [`BlockwiseHeadsModel`], or `model` itself.
-
-    Not `getattr(model, "base_model", model)`: every transformers model has a `base_model` attribute too (its
-    bare backbone, without the output layer).
-    """
-    return model.base_model if isinstance(model, BlockwiseHeadsModel) else model
 
 
 def heads_cross_entropy(
@@ -367,15 +357,6 @@ def heads_cross_entropy(
     return torch.stack(losses), torch.stack(accuracies)
 
 
-def _base_location(heads_name_or_path: str | os.PathLike, base_name_or_path: str) -> str:
-    """A relative base path is looked up beside the heads first, so a directory holding both (e.g. with
-    `base_model_name_or_path="."`) can be moved or shipped as one piece."""
-    beside_heads = os.path.join(heads_name_or_path, base_name_or_path)
-    if not os.path.isabs(base_name_or_path) and os.path.isfile(os.path.join(beside_heads, "config.json")):
-        return beside_heads
-    return base_name_or_path
-
-
 def _is_peft_model(model: nn.Module) -> bool:
     from peft import PeftModel
 
@@ -390,31 +371,11 @@ def _save_adapter_atomically(peft_model: nn.Module, save_directory: str | os.Pat
             os.replace(os.path.join(scratch, name), os.path.join(save_directory, name))
 
 
-def _has_file(name_or_path: str | os.PathLike, filename: str) -> bool:
-    if os.path.isdir(name_or_path):
-        return os.path.isfile(os.path.join(name_or_path, filename))
-    return cached_file(str(name_or_path), filename, _raise_exceptions_for_missing_entries=False) is not None
-
-
 def _check_batch_not_empty(args: tuple, kwargs: dict[str, Any]) -> None:
     # The encoder would fail on an empty batch with an obscure reshape error before decoding starts.
     inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs", kwargs.get("inputs_embeds")))
     if isinstance(inputs, torch.Tensor) and inputs.shape[0] == 0:
         raise ValueError("generate was called with an empty batch (batch size 0)")
-
-
-def _resolve(name_or_path: str | os.PathLike, filename: str) -> str:
-    path = os.path.join(name_or_path, filename)
-    if os.path.isdir(name_or_path):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"{name_or_path} holds no {filename}; is it a directory written by save_pretrained?"
-            )
-        return path
-    resolved = cached_file(str(name_or_path), filename)
-    if resolved is None:
-        raise FileNotFoundError(f"{name_or_path} holds no {filename}")
-    return resolved
 
 
 def _load_head_weights(path: str, heads: BlockwiseHeads) -> dict[str, torch.Tensor]:

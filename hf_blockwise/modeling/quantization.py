@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hf_blockwise import boundary as hf
+
 _INT8_MAX = 127.0
 
 
@@ -70,9 +72,8 @@ def quantize_dynamic_int8(model: nn.Module) -> nn.Module:
     Returns:
         The same `model`, for chaining.
     """
-    from .modeling import unwrap_base
 
-    base = unwrap_base(model)
+    base = hf.unwrap_base(model)
     devices = {parameter.device.type for parameter in base.parameters()}
     if devices != {"cpu"}:
         raise ValueError(

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from transformers import Seq2SeqTrainingArguments
 
-from .trainer_config import check_eval_decoding
+from hf_blockwise.training.common import check_eval_decoding
 
 
 @dataclass

@@ -11,32 +11,17 @@ copies from the source; this drafter does, for any seq2seq model whose encoder a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from .drafters import Drafter, DraftRequest, Drafts
+from hf_blockwise import boundary as hf
+from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts
 
 # Ge's sentinel o_0 = x_0: the decoder start token and a mark in front of the source match each other only,
 # so the very first step drafts the whole source. A negative id cannot collide with a real token.
 _SENTINEL = -1
-
-
-def check_shared_vocabulary(model: nn.Module) -> None:
-    """Raises a `ValueError` unless the model's encoder and decoder embed the same token ids the same way."""
-    encoder_embeddings = model.get_encoder().get_input_embeddings()
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    decoder_embeddings = decoder.get_input_embeddings() if decoder is not None else None
-    shared = encoder_embeddings is decoder_embeddings or (
-        decoder_embeddings is not None
-        and encoder_embeddings.weight.shape == decoder_embeddings.weight.shape
-        and encoder_embeddings.weight.data_ptr() == decoder_embeddings.weight.data_ptr()
-    )
-    if not shared:
-        raise ValueError(
-            f"InputCopyDrafter copies source token ids into the output, but {type(model).__name__} has separate "
-            "source and target vocabularies (its encoder and decoder embeddings differ), so a source id means "
-            "another token in the output. Use a model with a shared vocabulary, or another drafter."
-        )
 
 
 def sentinel_source(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,18 +111,28 @@ class InputCopyDrafter(Drafter):
     def __init__(self, model: nn.Module, max_draft_length: int = 32, max_ngram: int = 8) -> None:
         if max_draft_length < 1 or max_ngram < 1:
             raise ValueError(f"max_draft_length and max_ngram must be >= 1, got {max_draft_length}, {max_ngram}")
-        from .modeling import unwrap_base
 
-        check_shared_vocabulary(unwrap_base(model))
+        hf.check_shared_vocabulary(hf.unwrap_base(model))
         self.block_size = max_draft_length + 1
         self.max_ngram = max_ngram
 
-    def get_candidates(self, request: DraftRequest) -> Drafts:
-        if request.encoder_input_ids is None:
+    def prepare(self, encoder_input_ids: torch.Tensor | None, encoder_attention_mask: torch.Tensor | None) -> Any:
+        """The source with Ge's sentinel, built once per `generate` call."""
+        if encoder_input_ids is None or encoder_input_ids.is_floating_point():
             raise ValueError(
                 "InputCopyDrafter needs the source token ids; call generate with input_ids (not inputs_embeds)"
             )
-        source, source_lengths = sentinel_source(request.encoder_input_ids, request.encoder_attention_mask)
-        return input_copy_drafts(
+        return sentinel_source(encoder_input_ids, encoder_attention_mask)
+
+    def select_rows(self, drafter_state: Any, rows: torch.Tensor) -> Any:
+        source, source_lengths = drafter_state
+        return source.index_select(0, rows), source_lengths.index_select(0, rows)
+
+    def get_candidates(self, request: DraftRequest) -> Drafts:
+        source, source_lengths = request.drafter_state
+        drafts = input_copy_drafts(
             source, source_lengths, request.sequences, request.lengths, self.block_size - 1, self.max_ngram
         )
+        # the verification pass is as wide as its widest row: trim to the longest draft any row can use
+        width = int(torch.minimum(drafts.lengths, request.max_drafts).max())
+        return Drafts(tokens=drafts.tokens[:, :width], lengths=drafts.lengths)

@@ -11,14 +11,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-from .heads import output_projection_logits, shortlist_projection
-
-if TYPE_CHECKING:
-    from .modeling import BlockwiseHeadsModel
 
 
 @dataclass
@@ -74,9 +69,12 @@ class Drafter(ABC):
     Attributes:
         block_size (`int`): most tokens one step may produce per row, the base model's own token included
             (k in Stern et al.); a step feeds at most this many tokens per row to the decoder.
+        reads_decoder_states (`bool`): whether `DraftRequest.last_states` is needed; the loop captures the
+            decoder states at the output projection only for drafters that read them.
     """
 
     block_size: int
+    reads_decoder_states: bool = False
 
     def prepare(self, encoder_input_ids: torch.Tensor | None, encoder_attention_mask: torch.Tensor | None) -> Any:
         """Called once per `generate` call, before the first step; the result comes back as
@@ -88,9 +86,28 @@ class Drafter(ABC):
         """
         return None
 
+    def select_rows(self, drafter_state: Any, rows: torch.Tensor) -> Any:
+        """The per-call state for `rows` of the batch only, called when finished rows leave the batch.
+
+        A drafter whose [`prepare`] returns per-row data must override this; the default handles `None`.
+
+        Args:
+            rows (`torch.LongTensor` of shape `(num_rows,)`): indices of the rows that keep decoding.
+        """
+        if drafter_state is None:
+            return None
+        raise NotImplementedError(
+            f"{type(self).__name__}.prepare returned per-call state ({type(drafter_state).__name__}); it must also "
+            "implement select_rows(drafter_state, rows), which the loop calls when finished rows leave the batch"
+        )
+
     @abstractmethod
     def get_candidates(self, request: DraftRequest) -> Drafts:
-        """Proposes up to `block_size - 1` tokens that continue each row."""
+        """Proposes up to `block_size - 1` tokens that continue each row.
+
+        `tokens` may be narrower than `block_size - 1`: the verification pass is only as wide as the widest
+        row needs, so a drafter that knows most rows have few drafts should return only that many columns.
+        """
 
     def update_candidate_strategy(self, request: DraftRequest, num_accepted: torch.Tensor) -> None:  # noqa: B027
         """Called after each verification with the drafts accepted per row, shape `(batch_size,)`.
@@ -106,49 +123,3 @@ class NoDrafter(Drafter):
 
     def get_candidates(self, request: DraftRequest) -> Drafts:
         return Drafts.empty(request.lengths.shape[0], request.lengths.device)
-
-
-class HeadsDrafter(Drafter):
-    """Drafts with the proposal heads of a [`BlockwiseHeadsModel`] (Stern et al. §3–4).
-
-    The heads read the decoder state that predicted each row's last token, a by-product of the previous
-    verification pass, so drafting costs no extra decoder call. Before the first pass there is no state,
-    and the first step drafts nothing.
-
-    Args:
-        model ([`BlockwiseHeadsModel`]): the model whose heads draft.
-        block_size (`int`, *optional*): use only the first `block_size - 1` heads (2 <= block_size <= the
-            model's block size). Fewer heads cost less per step when long blocks are rarely accepted.
-        use_shortlist (`bool`, defaults to `True`): propose only among the model's vocabulary shortlist, if it
-            has one (see [`BlockwiseHeadsModel.set_shortlist`]); `False` drafts over the whole vocabulary.
-    """
-
-    def __init__(self, model: BlockwiseHeadsModel, block_size: int | None = None, use_shortlist: bool = True) -> None:
-        trained = model.blockwise_config.block_size
-        block_size = trained if block_size is None else block_size
-        if not 2 <= block_size <= trained:
-            raise ValueError(f"block_size must be between 2 and the model's block size {trained}, got {block_size}")
-        self.model = model
-        self.block_size = block_size
-        shortlist = model.heads.shortlist if use_shortlist else None
-        self._shortlist = shortlist
-        # derived once per generate call: slicing the projection every step would cost as much as using it
-        self._shortlist_projection = None if shortlist is None else shortlist_projection(model.base_model, shortlist)
-
-    def get_candidates(self, request: DraftRequest) -> Drafts:
-        batch_size = request.lengths.shape[0]
-        if request.last_states is None:
-            return Drafts.empty(batch_size, request.lengths.device)
-        states = request.last_states.to(self.model.heads.up.weight.dtype)
-        # the last verified token is the base model's own choice from `last_states`
-        last_tokens = request.sequences.gather(1, (request.lengths - 1).clamp(min=0)[:, None])[:, 0]  # (B,)
-        chosen = self.model.chosen_token_embeddings(last_tokens)  # (B, e) or None
-        head_states = self.model.heads(states, num_heads=self.block_size - 1, token_embeddings=chosen)  # (B, k-1, d)
-        if self._shortlist_projection is None:
-            tokens = output_projection_logits(self.model.base_model, head_states).argmax(dim=-1)  # (B, k-1)
-        else:
-            weight, bias = self._shortlist_projection
-            best = torch.nn.functional.linear(head_states.to(weight.dtype), weight, bias).argmax(dim=-1)  # (B, k-1)
-            tokens = self._shortlist[best]
-        lengths = torch.full((batch_size,), tokens.shape[1], dtype=torch.long, device=tokens.device)
-        return Drafts(tokens=tokens, lengths=lengths)

@@ -6,17 +6,10 @@ from dataclasses import dataclass, field
 
 from transformers import Seq2SeqTrainingArguments
 
+from hf_blockwise.training.common import check_eval_decoding
+
 HEAD_LOSSES = ("mean", "sampled")
 BASE_TRAINING = ("frozen", "full", "lora")
-
-
-def check_eval_decoding(args: Seq2SeqTrainingArguments) -> None:
-    """Validates the `eval_*` decoding fields shared by this package's training arguments."""
-    for name in ("eval_max_new_tokens", "eval_decoding_batch_size"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(args, name)}")
-    if args.eval_decoding_samples is not None and args.eval_decoding_samples < 1:
-        raise ValueError(f"eval_decoding_samples must be >= 1 or None, got {args.eval_decoding_samples}")
 
 
 @dataclass

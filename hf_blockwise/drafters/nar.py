@@ -28,10 +28,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, PreTrainedModel
 
-from . import _hf_generation as hf
-from .config import JsonConfigMixin
-from .drafters import Drafter, DraftRequest, Drafts
-from .serialization import atomic_write, atomic_write_text
+from hf_blockwise import boundary as hf
+from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts
+from hf_blockwise.modeling.config import JsonConfigMixin
+from hf_blockwise.serialization import atomic_write, atomic_write_text
 
 NAR_CONFIG_NAME = "nar_drafter_config.json"
 # a drafter saved relative to its verifier: only the weights that differ from the verifier's
@@ -128,9 +128,8 @@ def reusable_cache_length(lengths: torch.Tensor, verified_when_cached: int) -> i
 
 def check_same_vocabulary(drafter_model: nn.Module, verifier: nn.Module) -> None:
     """Raises a `ValueError` unless drafter and verifier score the same vocabulary and start decoding alike."""
-    from .modeling import unwrap_base
 
-    verifier = unwrap_base(verifier)
+    verifier = hf.unwrap_base(verifier)
     drafter_rows = drafter_model.get_output_embeddings().weight.shape[0]
     verifier_rows = verifier.get_output_embeddings().weight.shape[0]
     if drafter_rows != verifier_rows:
@@ -221,9 +220,8 @@ class NonAutoregressiveDrafter(Drafter):
             decoder_layers (`int`, defaults to 1), encoder_layers (`int`, *optional*): layer counts of the
                 drafter; `None` keeps the verifier's encoder depth.
         """
-        from .modeling import unwrap_base
 
-        base = unwrap_base(verifier)
+        base = hf.unwrap_base(verifier)
         config = copy.deepcopy(base.config)
         encoder_name, decoder_name = _layer_count_attributes(config)
         depths = {encoder_name: encoder_layers, decoder_name: decoder_layers}
@@ -258,6 +256,20 @@ class NonAutoregressiveDrafter(Drafter):
             )
         cache = hf.new_decoder_cache(self.model) if self.use_cache else None
         return NARDraftState(encoder_outputs=encoder_outputs, attention_mask=encoder_attention_mask, cache=cache)
+
+    def select_rows(self, drafter_state: Any, rows: torch.Tensor) -> Any:
+        state = drafter_state
+        if state.cache is not None:
+            hf.select_cache_rows(state.cache, rows)
+        selected = hf.select_forward_rows(
+            {"encoder_outputs": state.encoder_outputs, "attention_mask": state.attention_mask}, rows
+        )
+        return NARDraftState(
+            encoder_outputs=selected["encoder_outputs"],
+            attention_mask=selected["attention_mask"],
+            cache=state.cache,
+            verified_in_cache=state.verified_in_cache,
+        )
 
     def get_candidates(self, request: DraftRequest) -> Drafts:
         state = request.drafter_state
@@ -331,9 +343,8 @@ class NonAutoregressiveDrafter(Drafter):
             shutil.rmtree(staging, ignore_errors=True)
 
     def _save_changed_weights(self, save_directory: str, dtype: torch.dtype | None, verifier: nn.Module) -> None:
-        from .modeling import unwrap_base
 
-        reference = unwrap_base(verifier).state_dict()
+        reference = hf.unwrap_base(verifier).state_dict()
         tensors = {}
         for name, tensor in self.model.state_dict().items():
             same = name in reference and reference[name].shape == tensor.shape
@@ -364,10 +375,9 @@ class NonAutoregressiveDrafter(Drafter):
             use_cache (`bool`, defaults to `True`): see [`NonAutoregressiveDrafter`].
             model_kwargs: passed to `from_pretrained` of the model (and of the verifier it loads, if any).
         """
-        from .modeling import _base_location, _has_file, _resolve
 
-        config = NARDrafterConfig.from_json_file(_resolve(name_or_path, NAR_CONFIG_NAME))
-        if not _has_file(name_or_path, CHANGED_WEIGHTS_NAME):
+        config = NARDrafterConfig.from_json_file(hf.resolve_file(name_or_path, NAR_CONFIG_NAME))
+        if not hf.has_file(name_or_path, CHANGED_WEIGHTS_NAME):
             model = AutoModelForSeq2SeqLM.from_pretrained(name_or_path, **model_kwargs)
             return cls(model, config, block_size=block_size, verifier=verifier, use_cache=use_cache)
         if verifier is None:
@@ -376,19 +386,18 @@ class NonAutoregressiveDrafter(Drafter):
                     f"{name_or_path} holds only the weights that differ from its verifier and names no verifier; "
                     "pass verifier="
                 )
-            location = _base_location(name_or_path, config.verifier_name_or_path)
+            location = hf.base_location(name_or_path, config.verifier_name_or_path)
             verifier = AutoModelForSeq2SeqLM.from_pretrained(location, **model_kwargs)
         model = _rebuild_from_verifier(
-            AutoConfig.from_pretrained(name_or_path), verifier, _resolve(name_or_path, CHANGED_WEIGHTS_NAME)
+            AutoConfig.from_pretrained(name_or_path), verifier, hf.resolve_file(name_or_path, CHANGED_WEIGHTS_NAME)
         )
         return cls(model, config, block_size=block_size, verifier=verifier, use_cache=use_cache)
 
 
 def _rebuild_from_verifier(model_config: Any, verifier: nn.Module, weights_path: str) -> PreTrainedModel:
     """The drafter model: the verifier's weights where the drafter kept them, the saved ones elsewhere."""
-    from .modeling import unwrap_base
 
-    base = unwrap_base(verifier)
+    base = hf.unwrap_base(verifier)
     try:
         changed = load_file(weights_path)
     except (SafetensorError, OSError) as error:

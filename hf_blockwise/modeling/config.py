@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .serialization import atomic_write_text
+from hf_blockwise.serialization import atomic_write_text
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs Python 3.11

@@ -1,0 +1,627 @@
+"""Every contact with transformers' generation internals, in one place.
+
+hf_blockwise plugs its decoding loop into `GenerationMixin.generate` as a callable `custom_generate`, so
+transformers does all the preparation (generation config merging, encoder pass, decoder start tokens,
+logits processors, stopping criteria, KV cache) and this package only replaces the decoding loop. What
+that loop needs from transformers beyond public API is collected here and tested against the pinned
+range below (`pyproject.toml`): when transformers changes, this is the one file to revisit.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.generation import GenerationConfig, GenerationMixin
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+from transformers.generation.streamers import BaseStreamer
+from transformers.generation.utils import GenerateEncoderDecoderOutput
+from transformers.utils import ModelOutput, cached_file
+
+TESTED_TRANSFORMERS_RANGE = ">=5.23,<5.24"
+
+# generate() arguments whose meaning a blockwise loop cannot keep; each maps to the reason shown.
+_UNSUPPORTED_FLAGS = {
+    "output_scores": "per-step scores",
+    "output_logits": "per-step logits",
+    "output_attentions": "attention maps",
+    "output_hidden_states": "hidden states",
+}
+
+
+def validate_generation_config(generation_config: GenerationConfig) -> None:
+    """Raises a `ValueError` naming the first `generate` argument that blockwise decoding cannot honour.
+
+    Blockwise decoding reproduces *greedy* search; every other mode (sampling, beam search, contrastive
+    search, DoLa, transformers' own assisted generation) changes what "the right output" is.
+    """
+    mode = generation_config.get_generation_mode()
+    if mode != GenerationMode.GREEDY_SEARCH:
+        raise ValueError(
+            f"Blockwise decoding reproduces greedy search, but these generate arguments select {mode.value!r} "
+            f"(do_sample={generation_config.do_sample}, num_beams={generation_config.num_beams}, "
+            f"penalty_alpha={generation_config.penalty_alpha}, "
+            f"prompt_lookup_num_tokens={generation_config.prompt_lookup_num_tokens}). Use do_sample=False and "
+            "num_beams=1, or call the base model's generate without hf_blockwise."
+        )
+    if getattr(generation_config, "dola_layers", None) is not None:
+        raise ValueError("dola_layers (DoLa decoding) is not supported by blockwise decoding")
+    if generation_config.use_cache is False:
+        raise ValueError("Blockwise decoding needs the KV cache; use_cache=False is not supported")
+    for flag, what in _UNSUPPORTED_FLAGS.items():
+        if getattr(generation_config, flag, False):
+            raise ValueError(
+                f"{flag}=True is not supported by blockwise decoding: {what} are not produced one token at a "
+                "time. Generate without it, or use the base model's greedy generate."
+            )
+    if generation_config.cache_implementation not in (None, "dynamic"):
+        raise ValueError(
+            f"cache_implementation={generation_config.cache_implementation!r} is not supported; blockwise "
+            "decoding crops a dynamic cache after every verification step"
+        )
+
+
+def pad_token_tensor(generation_config: GenerationConfig) -> torch.Tensor | None:
+    """The pad id as prepared by `generate` (it may have been set from `eos_token_id`)."""
+    return generation_config._pad_token_tensor
+
+
+def encoder_decoder_only(model: nn.Module) -> None:
+    if not getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"hf_blockwise decodes encoder-decoder (seq2seq) models; {type(model).__name__} has "
+            "config.is_encoder_decoder=False"
+        )
+
+
+@dataclass
+class StopRules:
+    """The stopping criteria of one `generate` call, split into the parts a blockwise step handles in bulk.
+
+    Attributes:
+        max_length (`int`): total length (decoder prompt included) at which every row stops.
+        eos_token_ids (`torch.LongTensor` of shape `(num_eos,)`, *optional*): ids that end a row.
+        others (`list[StoppingCriteria]`): any other criteria, evaluated token by token.
+    """
+
+    max_length: int
+    eos_token_ids: torch.Tensor | None
+    others: list[StoppingCriteria]
+
+
+def split_stopping_criteria(stopping_criteria: StoppingCriteriaList, generation_config: GenerationConfig) -> StopRules:
+    max_length = generation_config.max_length
+    eos_token_ids = None
+    others: list[StoppingCriteria] = []
+    for criterion in stopping_criteria:
+        if isinstance(criterion, MaxLengthCriteria):
+            max_length = min(max_length, criterion.max_length)
+        elif isinstance(criterion, EosTokenCriteria):
+            ids = criterion.eos_token_id.reshape(-1)
+            eos_token_ids = ids if eos_token_ids is None else torch.cat([eos_token_ids, ids.to(eos_token_ids)])
+        else:
+            others.append(criterion)
+    return StopRules(max_length=max_length, eos_token_ids=eos_token_ids, others=others)
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """What a `custom_generate` call of transformers' `generate` hands the loop, in this package's terms.
+
+    Attributes:
+        decoder_input_ids (`torch.LongTensor` of shape `(batch_size, prompt_length)`): decoder start (and prompt).
+        stop_rules ([`StopRules`]).
+        pad_token_id (`int`, *optional*): the pad id as `generate` prepared it.
+        filler_token_id (`int`): what fills sequences and feeds after real tokens (the pad id, else 0).
+        cache: an empty croppable `EncoderDecoderCache`.
+        forward_kwargs (`dict`): what every decoder forward receives (encoder outputs, attention mask).
+        encoder_input_ids (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*).
+        encoder_attention_mask (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*).
+        streamer: the `streamer=` of the `generate` call, if any.
+    """
+
+    decoder_input_ids: torch.Tensor
+    stop_rules: StopRules
+    pad_token_id: int | None
+    filler_token_id: int
+    cache: EncoderDecoderCache
+    forward_kwargs: dict[str, Any]
+    encoder_input_ids: torch.Tensor | None
+    encoder_attention_mask: torch.Tensor | None
+    streamer: BaseStreamer | None
+
+
+def adapt_generate_call(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    synced_gpus: bool,
+    streamer: BaseStreamer | None,
+    inputs_tensor: torch.Tensor | None,
+    model_kwargs: dict[str, Any],
+) -> GenerateCall:
+    """Validates the arguments of a `custom_generate` call and translates them into a [`GenerateCall`]."""
+    if synced_gpus:
+        raise ValueError("synced_gpus=True is not supported by blockwise decoding")
+    validate_generation_config(generation_config)
+    rules = split_stopping_criteria(stopping_criteria, generation_config)
+    if rules.others and rules.eos_token_ids is None:
+        raise ValueError(
+            "Custom stopping criteria are supported together with an eos_token_id only: without one, greedy "
+            "search keeps extending rows that have stopped, which blockwise decoding does not reproduce"
+        )
+    streamer = streamer if streamer is not None else streamer_from_generate_call()
+    if streamer is not None and input_ids.shape[0] != 1:
+        raise ValueError("streamer= supports batch size 1 only, like transformers' TextStreamer")
+    pad = pad_token_tensor(generation_config)
+    pad_token_id = None if pad is None else int(pad)
+    return GenerateCall(
+        decoder_input_ids=input_ids,
+        stop_rules=rules,
+        pad_token_id=pad_token_id,
+        filler_token_id=0 if pad_token_id is None else pad_token_id,
+        cache=loop_decoder_cache(model_kwargs),
+        forward_kwargs=forward_kwargs(model_kwargs),
+        encoder_input_ids=inputs_tensor,
+        encoder_attention_mask=model_kwargs.get("attention_mask"),
+        streamer=streamer,
+    )
+
+
+def crop_cache(cache: Cache, length: int) -> None:
+    """Crops the decoder self-attention cache to its first `length` positions (cross-attention is kept)."""
+    current = cache.get_seq_length()
+    if length < current:
+        cache.crop(length - current)
+
+
+def new_decoder_cache(model: nn.Module | None = None) -> EncoderDecoderCache:
+    """An empty dynamic encoder-decoder cache whose self-attention layers can all be cropped.
+
+    Built without the model's config on purpose: with one, transformers gives sliding-window layers
+    (T5Gemma) a rolling buffer that cannot be cropped back once it is full. Plain layers keep every
+    position; the model's attention mask still applies the sliding window, so the logits are the same.
+    `model` is accepted for call sites that build a cache for a given model; the layers need nothing of it.
+    """
+    return EncoderDecoderCache(DynamicCache(), DynamicCache())
+
+
+def loop_decoder_cache(model_kwargs: dict[str, Any]) -> EncoderDecoderCache:
+    """Checks that `generate` prepared an empty cache, and returns a croppable one to decode with instead."""
+    cache = model_kwargs.get("past_key_values")
+    if cache is not None and not isinstance(cache, Cache):
+        raise ValueError(f"Blockwise decoding needs a transformers Cache, got {type(cache).__name__}")
+    if cache is not None and cache.get_seq_length() != 0:
+        raise ValueError("Blockwise decoding starts from an empty cache; a pre-filled past_key_values was passed")
+    return new_decoder_cache()
+
+
+def select_cache_rows(cache: EncoderDecoderCache, rows: torch.Tensor) -> None:
+    """Keeps only `rows` (batch indices, shape `(num_rows,)`) of the cache, in place, self- and cross-attention."""
+    cache.batch_select_indices(rows)
+
+
+def select_forward_rows(kwargs: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
+    """The decoder forward's fixed inputs (encoder output, attention mask) for `rows` of the batch only."""
+
+    def select(key: str, value: Any) -> Any:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, torch.Tensor):
+            return value.index_select(0, rows)
+        if isinstance(value, ModelOutput):
+            return type(value)(**{name: select(key, item) for name, item in value.items()})
+        if isinstance(value, tuple):
+            return tuple(select(key, item) for item in value)
+        raise ValueError(
+            f"Blockwise decoding drops finished rows from the batch but cannot select rows of the generate "
+            f"argument {key!r} ({type(value).__name__})"
+        )
+
+    return {key: select(key, value) for key, value in kwargs.items()}
+
+
+def decoder_forward(
+    model: nn.Module,
+    decoder_input_ids: torch.Tensor,
+    cache: EncoderDecoderCache,
+    forward_kwargs: dict[str, Any],
+    capture_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One cached decoder pass over `decoder_input_ids`, as `generate` runs it.
+
+    Args:
+        decoder_input_ids (`torch.LongTensor` of shape `(batch_size, width)`).
+        capture_states (`bool`): also return what the model feeds its output projection.
+
+    Returns:
+        logits (`torch.FloatTensor` of shape `(batch_size, width, vocab_size)`) and, with `capture_states`,
+        states (`torch.Tensor` of shape `(batch_size, width, hidden_size)`), else `None`.
+    """
+    if not capture_states:
+        outputs = model(
+            decoder_input_ids=decoder_input_ids, past_key_values=cache, use_cache=True, return_dict=True,
+            **forward_kwargs,
+        )  # fmt: skip
+        return outputs.logits, None
+    with capture_output_projection_input(model) as captured:
+        outputs = model(
+            decoder_input_ids=decoder_input_ids, past_key_values=cache, use_cache=True, return_dict=True,
+            **forward_kwargs,
+        )  # fmt: skip
+    if not captured:
+        raise ValueError(
+            f"{type(model).__name__}'s get_output_embeddings() ({type(model.get_output_embeddings()).__name__}) "
+            "was not called in its forward, so the decoder states it projects cannot be read"
+        )
+    return outputs.logits, captured[-1]
+
+
+# Arguments that `generate` leaves in `model_kwargs` and that a decoder forward must not receive again.
+_GENERATE_ONLY_KWARGS = {"use_cache", "past_key_values", "logits_to_keep", "output_attentions",
+                         "output_hidden_states", "return_dict", "decoder_input_ids", "cache_position"}  # fmt: skip
+
+
+def forward_kwargs(model_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The model kwargs of `generate` that every decoder forward receives unchanged (encoder outputs, mask)."""
+    return {key: value for key, value in model_kwargs.items() if key not in _GENERATE_ONLY_KWARGS}
+
+
+@contextmanager
+def capture_output_projection_input(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Records what the model feeds its output projection (`get_output_embeddings()`) during the block.
+
+    That tensor is the decoder state *after* whatever the architecture does before its logits (T5 rescales
+    it by `d_model ** -0.5` when embeddings are tied), so heads built on it need no per-architecture code.
+
+    Yields:
+        A list that receives one tensor of shape `(batch_size, num_tokens, hidden_size)` per forward.
+    """
+    projection = model.get_output_embeddings()
+    if projection is None:
+        raise ValueError(f"{type(model).__name__} has no output projection (get_output_embeddings() is None)")
+    captured: list[torch.Tensor] = []
+    handle = projection.register_forward_hook(lambda module, args, output: captured.append(args[0]))
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+@contextmanager
+def project_columns(model: nn.Module, columns: torch.Tensor) -> Iterator[None]:
+    """Within the block, the model's output projection sees only the given decoder positions.
+
+    Seq2seq models in transformers project every decoder position onto the vocabulary; a drafter that needs
+    a few positions per row would spend most of its time there. The states are selected at the projection's
+    input, after whatever the architecture does before its logits, so the logits equal those of a full pass.
+
+    Args:
+        columns (`torch.LongTensor` of shape `(batch_size, num_columns)`): positions to keep per row; the model's
+            `logits` then have shape `(batch_size, num_columns, vocab_size)`.
+    """
+    projection = model.get_output_embeddings()
+    if projection is None:
+        raise ValueError(f"{type(model).__name__} has no output projection (get_output_embeddings() is None)")
+
+    def select(module: nn.Module, args: tuple) -> tuple:
+        states = args[0]  # (B, W, d)
+        index = columns[..., None].expand(-1, -1, states.shape[-1]).to(states.device)
+        return (states.gather(1, index), *args[1:])
+
+    handle = projection.register_forward_pre_hook(select)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def streamer_from_generate_call() -> BaseStreamer | None:
+    """The `streamer` passed to the `GenerationMixin.generate` call that is running this loop, if any.
+
+    transformers 5.23 passes a callable `custom_generate` only the keyword arguments that its signature adds
+    to `_sample`'s; `streamer` is not one of them, so it is dropped after the prompt was already streamed.
+    Without this, a `TextIteratorStreamer` consumer would wait forever for tokens and the end signal.
+    """
+    frame = inspect.currentframe()
+    try:
+        caller = frame.f_back if frame is not None else None
+        while caller is not None:
+            if caller.f_code is GenerationMixin.generate.__wrapped__.__code__:
+                return caller.f_locals.get("streamer")
+            caller = caller.f_back
+        return None
+    finally:
+        del frame
+
+
+@dataclass
+class BlockwiseGenerateOutput(GenerateEncoderDecoderOutput):
+    """[`~generation.GenerateEncoderDecoderOutput`] plus the statistics of a blockwise decoding run.
+
+    `past_key_values` is left `None`: rows end a blockwise run with caches of different valid lengths.
+
+    Attributes:
+        decoding_stats ([`DecodingStats`]): decoder forwards, tokens accepted per step and row, mean block.
+    """
+
+    decoding_stats: Any = None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model quirks: where a transformers model keeps what the loop and the heads need
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class BaseModelWrapper(nn.Module):
+    """A module that wraps a transformers seq2seq model as `self.base_model` (PEFT's `PeftModel` pattern).
+
+    [`BlockwiseHeadsModel`] subclasses it, so [`unwrap_base`] can tell a wrapper from a transformers model
+    (which also has a `base_model` attribute: its bare backbone).
+    """
+
+    base_model: nn.Module
+
+
+def decoder_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The config that describes the decoder: its own sub-config where the model has one (`EncoderDecoderModel`,
+    T5Gemma), else the model's config.
+
+    Not `config.get_text_config(decoder=True)`: for configs without a decoder sub-config (Marian in 5.23) it
+    returns a freshly built config with default sizes, not the model's.
+    """
+    sub_config = getattr(config, "decoder", None)
+    return sub_config if isinstance(sub_config, PretrainedConfig) else config
+
+
+def decoder_ffn_width(config: Any) -> int:
+    """The base decoder's feed-forward width, read from the standard transformers config attributes."""
+    for name in ("decoder_ffn_dim", "d_ff", "ffn_dim", "intermediate_size"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ValueError(
+        f"Cannot tell the decoder feed-forward width of a {type(config).__name__}; set "
+        "BlockwiseConfig(head_hidden_size=...) explicitly"
+    )
+
+
+def unwrap_base(model: nn.Module) -> nn.Module:
+    """The transformers model inside a [`BlockwiseHeadsModel`], or `model` itself.
+
+    Not `getattr(model, "base_model", model)`: every transformers model has a `base_model` attribute too (its
+    bare backbone, without the output layer).
+    """
+    return model.base_model if isinstance(model, BaseModelWrapper) else model
+
+
+def shortlist_projection(base_model: nn.Module, shortlist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows of the base's output projection (and its biases) for the token ids in `shortlist`.
+
+    Returns:
+        weight (`torch.Tensor` of shape `(shortlist_size, hidden_size)`) and bias (`torch.Tensor` of shape
+        `(shortlist_size,)`, or `None` when the base adds none).
+    """
+    projection = base_model.get_output_embeddings()
+    weight = projection.weight[shortlist]
+    bias = None if getattr(projection, "bias", None) is None else projection.bias[shortlist]
+    final_logits_bias = getattr(base_model, "final_logits_bias", None)
+    if final_logits_bias is not None:
+        extra = final_logits_bias.reshape(-1)[shortlist].to(weight.dtype)
+        bias = extra if bias is None else bias + extra
+    return weight, bias
+
+
+def output_projection_logits(base_model: nn.Module, states: torch.Tensor) -> torch.Tensor:
+    """Applies the base model's output projection, and the logit bias it adds after it, to `states`.
+
+    BART, mBART, Marian and Pegasus add a `final_logits_bias` buffer after `lm_head`; the rescaling T5 applies
+    happens *before* `lm_head`, so it is already part of the captured states.
+
+    Args:
+        base_model: a transformers seq2seq model.
+        states (`torch.Tensor` of shape `(..., hidden_size)`).
+
+    Returns:
+        `torch.Tensor` of shape `(..., vocab_size)`.
+    """
+    logits = base_model.get_output_embeddings()(states)
+    final_logits_bias = getattr(base_model, "final_logits_bias", None)
+    if final_logits_bias is not None:
+        logits = logits + final_logits_bias.reshape(-1).to(logits.dtype)
+    return logits
+
+
+def _input_embeddings(module: nn.Module | None) -> nn.Module | None:
+    """A module's input embeddings: `get_input_embeddings()` where it has one, else its `embed_tokens` (FSMT)."""
+    if module is None:
+        return None
+    if hasattr(module, "get_input_embeddings"):
+        return module.get_input_embeddings()
+    return getattr(module, "embed_tokens", None)
+
+
+def check_shared_vocabulary(model: nn.Module) -> None:
+    """Raises a `ValueError` unless the model's encoder and decoder embed the same token ids the same way."""
+    encoder_embeddings = _input_embeddings(model.get_encoder())
+    decoder_embeddings = _input_embeddings(model.get_decoder() if hasattr(model, "get_decoder") else None)
+    shared = encoder_embeddings is not None and (
+        encoder_embeddings is decoder_embeddings
+        or (
+            decoder_embeddings is not None
+            and encoder_embeddings.weight.shape == decoder_embeddings.weight.shape
+            and encoder_embeddings.weight.data_ptr() == decoder_embeddings.weight.data_ptr()
+        )
+    )
+    if not shared:
+        raise ValueError(
+            f"InputCopyDrafter copies source token ids into the output, but {type(model).__name__} has separate "
+            "source and target vocabularies (its encoder and decoder embeddings differ), so a source id means "
+            "another token in the output. Use a model with a shared vocabulary, or another drafter."
+        )
+
+
+def base_location(heads_name_or_path: str | os.PathLike, base_name_or_path: str) -> str:
+    """A relative base path is looked up beside the heads first, so a directory holding both (e.g. with
+    `base_model_name_or_path="."`) can be moved or shipped as one piece."""
+    beside_heads = os.path.join(heads_name_or_path, base_name_or_path)
+    if not os.path.isabs(base_name_or_path) and os.path.isfile(os.path.join(beside_heads, "config.json")):
+        return beside_heads
+    return base_name_or_path
+
+
+def has_file(name_or_path: str | os.PathLike, filename: str) -> bool:
+    if os.path.isdir(name_or_path):
+        return os.path.isfile(os.path.join(name_or_path, filename))
+    return cached_file(str(name_or_path), filename, _raise_exceptions_for_missing_entries=False) is not None
+
+
+def resolve_file(name_or_path: str | os.PathLike, filename: str) -> str:
+    path = os.path.join(name_or_path, filename)
+    if os.path.isdir(name_or_path):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"{name_or_path} holds no {filename}; is it a directory written by save_pretrained?"
+            )
+        return path
+    resolved = cached_file(str(name_or_path), filename)
+    if resolved is None:
+        raise FileNotFoundError(f"{name_or_path} holds no {filename}")
+    return resolved
+
+
+def model_name(model: nn.Module) -> str:
+    """The checkpoint a model was loaded from, or its model type when built from a config."""
+    return getattr(model, "name_or_path", "") or f"model_type={getattr(model.config, 'model_type', '?')!r}"
+
+
+def _special_token_ids(model: nn.Module) -> set[int]:
+    ids: set[int] = set()
+    for source in (model.config, getattr(model, "generation_config", None)):
+        for name in ("pad_token_id", "eos_token_id", "bos_token_id", "decoder_start_token_id"):
+            value = getattr(source, name, None) if source is not None else None
+            ids.update(value if isinstance(value, (list, tuple)) else [] if value is None else [int(value)])
+    return ids
+
+
+def _vocabulary_size(module: nn.Module, fallback: int) -> int:
+    embeddings = _input_embeddings(module)
+    return int(getattr(embeddings, "num_embeddings", 0) or fallback)
+
+
+@dataclass(frozen=True)
+class ProbeInputs:
+    """A tiny batch to probe a model's decoder with (see `generation.capability`).
+
+    Attributes:
+        forward_kwargs (`dict`): encoder outputs and attention mask of 2 sources of different lengths.
+        decoder_tokens (`torch.LongTensor` of shape `(2, length)`): decoder start token, then ordinary tokens.
+        pad_token_id (`int`, *optional*).
+    """
+
+    forward_kwargs: dict[str, Any]
+    decoder_tokens: torch.Tensor
+    pad_token_id: int | None
+
+
+def probe_inputs(model: nn.Module, length: int) -> ProbeInputs:
+    """Encodes two short sources of different lengths and picks ordinary (non-special) decoder tokens."""
+    special = _special_token_ids(model)
+    fallback = int(getattr(decoder_config(model.config), "vocab_size", 0) or 0)
+    generator = torch.Generator().manual_seed(0)
+
+    def ordinary(vocab_size: int, count: int) -> torch.Tensor:
+        candidates = torch.tensor([i for i in range(min(vocab_size, 4096)) if i not in special])
+        return candidates[torch.randperm(len(candidates), generator=generator)[:count]]
+
+    device = next(model.parameters()).device
+    encoder = model.get_encoder()
+    source = ordinary(_vocabulary_size(encoder, fallback), 2 * 5).reshape(2, 5).to(device)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], device=device)
+    pad = model.config.pad_token_id
+    source = source.masked_fill(mask == 0, 0 if pad is None else int(pad))
+    encoder_outputs = encoder(input_ids=source, attention_mask=mask, return_dict=True)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    tokens = ordinary(_vocabulary_size(decoder, fallback) if decoder is not None else fallback, 2 * length)
+    tokens = tokens.reshape(2, length).to(device)
+    start = getattr(model.generation_config, "decoder_start_token_id", None)
+    start = getattr(model.config, "decoder_start_token_id", None) if start is None else start
+    if isinstance(start, int):
+        tokens[:, 0] = start
+    return ProbeInputs(
+        forward_kwargs={"encoder_outputs": encoder_outputs, "attention_mask": mask},
+        decoder_tokens=tokens,
+        pad_token_id=None if pad is None else int(pad),
+    )
+
+
+def check_output_projection(model: nn.Module) -> None:
+    """Raises a `ValueError` unless `get_output_embeddings()` is the layer that turns decoder states into logits.
+
+    Proposal heads project their states with it; on a model where it is something else (FSMT returns its
+    decoder's input embeddings) they would crash or draft nonsense. Checked on one probe forward: its input
+    must be the decoder states, and projecting them (plus any logit bias) must give the model's own choices.
+    """
+    projection = model.get_output_embeddings()
+    inputs = probe_inputs(model, 2)
+    problem = None
+    if projection is None or getattr(projection, "weight", None) is None:
+        problem = f"get_output_embeddings() returns {type(projection).__name__}"
+    else:
+        with torch.no_grad():
+            try:
+                logits, states = decoder_forward(
+                    model, inputs.decoder_tokens, new_decoder_cache(), inputs.forward_kwargs, capture_states=True
+                )
+            except ValueError as error:
+                problem = str(error)
+        if problem is None:
+            if not states.is_floating_point() or states.shape[:2] != logits.shape[:2]:
+                problem = f"get_output_embeddings() ({type(projection).__name__}) is not applied to the decoder states"
+            elif not torch.equal(output_projection_logits(model, states).argmax(-1), logits.argmax(-1)):
+                problem = f"get_output_embeddings() ({type(projection).__name__}) does not produce the model's logits"
+    if problem is not None:
+        raise ValueError(
+            f"Proposal heads project their states with the base's output projection, but for "
+            f"{type(model).__name__} ({model_name(model)}) {problem}. Draft with another drafter (ReferenceDrafter, "
+            "InputCopyDrafter, NonAutoregressiveDrafter) or use a model whose get_output_embeddings() is its "
+            "output layer."
+        )
+
+
+def expert_capacity_limit(model: nn.Module) -> tuple[int, str] | None:
+    """The most decoder tokens a row may feed in one forward before a mixture-of-experts decoder drops tokens.
+
+    Switch Transformers routes at most `expert_capacity` tokens of a sequence to one expert per forward and
+    drops the rest, so a wider verification pass is computed differently from one-token steps. NLLB-MoE in
+    eval mode sizes its capacity as `moe_eval_capacity_token_fraction` of the forward's tokens: below 1,
+    what is dropped depends on how many tokens a forward holds, so any multi-token feed may differ.
+
+    Returns:
+        `(limit, reason)`, or `None` when the decoder drops nothing.
+    """
+    config = decoder_config(model.config)
+    fraction = getattr(config, "moe_eval_capacity_token_fraction", None)
+    if fraction is not None:
+        if float(fraction) < 1.0:
+            return 1, f"its experts keep only moe_eval_capacity_token_fraction={fraction} of a forward's tokens"
+        return None
+    capacity = getattr(config, "expert_capacity", None)
+    if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity > 0:
+        return capacity, f"its experts drop tokens beyond expert_capacity={capacity} per sequence and forward"
+    return None

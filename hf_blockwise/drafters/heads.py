@@ -1,0 +1,88 @@
+"""`HeadsDrafter`: proposals from the heads of a [`BlockwiseHeadsModel`] (Stern et al. 2018 §3–4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hf_blockwise.boundary import output_projection_logits, shortlist_projection
+from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts
+
+if TYPE_CHECKING:
+    from hf_blockwise.modeling.model import BlockwiseHeadsModel
+
+
+@dataclass(frozen=True)
+class ShortlistProjection:
+    """The output projection restricted to a vocabulary shortlist, for one `generate` call.
+
+    Attributes:
+        token_ids (`torch.LongTensor` of shape `(shortlist_size,)`).
+        weight (`torch.Tensor` of shape `(shortlist_size, hidden_size)`).
+        bias (`torch.Tensor` of shape `(shortlist_size,)`, *optional*): projection bias plus logit bias.
+    """
+
+    token_ids: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+class HeadsDrafter(Drafter):
+    """Drafts with the proposal heads of a [`BlockwiseHeadsModel`] (Stern et al. §3–4).
+
+    The heads read the decoder state that predicted each row's last token, a by-product of the previous
+    verification pass, so drafting costs no extra decoder call. Before the first pass there is no state,
+    and the first step drafts nothing.
+
+    Args:
+        model ([`BlockwiseHeadsModel`]): the model whose heads draft.
+        block_size (`int`, *optional*): use only the first `block_size - 1` heads (2 <= block_size <= the
+            model's block size). Fewer heads cost less per step when long blocks are rarely accepted.
+        use_shortlist (`bool`, defaults to `True`): propose only among the model's vocabulary shortlist, if it
+            has one (see [`BlockwiseHeadsModel.set_shortlist`]); `False` drafts over the whole vocabulary.
+    """
+
+    reads_decoder_states = True
+
+    def __init__(self, model: BlockwiseHeadsModel, block_size: int | None = None, use_shortlist: bool = True) -> None:
+        trained = model.blockwise_config.block_size
+        block_size = trained if block_size is None else block_size
+        if not 2 <= block_size <= trained:
+            raise ValueError(f"block_size must be between 2 and the model's block size {trained}, got {block_size}")
+        self.model = model
+        self.block_size = block_size
+        self.use_shortlist = use_shortlist
+
+    def prepare(self, encoder_input_ids: torch.Tensor | None, encoder_attention_mask: torch.Tensor | None) -> Any:
+        """The shortlist's rows of the output projection, derived once per `generate` call (slicing them every
+        step would cost as much as using them), from the model as it is now (device, dtype, shortlist)."""
+        shortlist = self.model.heads.shortlist if self.use_shortlist else None
+        if shortlist is None:
+            return None
+        weight, bias = shortlist_projection(self.model.base_model, shortlist)
+        return ShortlistProjection(token_ids=shortlist, weight=weight, bias=bias)
+
+    def select_rows(self, drafter_state: Any, rows: torch.Tensor) -> Any:
+        return drafter_state  # nothing per row
+
+    def get_candidates(self, request: DraftRequest) -> Drafts:
+        batch_size = request.lengths.shape[0]
+        if request.last_states is None:
+            return Drafts.empty(batch_size, request.lengths.device)
+        states = request.last_states.to(self.model.heads.up.weight.dtype)
+        # the last verified token is the base model's own choice from `last_states`
+        last_tokens = request.sequences.gather(1, (request.lengths - 1).clamp(min=0)[:, None])[:, 0]  # (B,)
+        chosen = self.model.chosen_token_embeddings(last_tokens)  # (B, e) or None
+        head_states = self.model.heads(states, num_heads=self.block_size - 1, token_embeddings=chosen)  # (B, k-1, d)
+        projection = request.drafter_state
+        if projection is None:
+            tokens = output_projection_logits(self.model.base_model, head_states).argmax(dim=-1)  # (B, k-1)
+        else:
+            logits = torch.nn.functional.linear(
+                head_states.to(projection.weight.dtype), projection.weight, projection.bias
+            )
+            tokens = projection.token_ids[logits.argmax(dim=-1)]  # (B, k-1)
+        lengths = torch.full((batch_size,), tokens.shape[1], dtype=torch.long, device=tokens.device)
+        return Drafts(tokens=tokens, lengths=lengths)

@@ -1,0 +1,146 @@
+"""Can this model verify several tokens in one cached decoder pass, exactly? Checked once per model.
+
+Blockwise decoding relies on three things every decoder in transformers is meant to do, and a few do not:
+
+1. take several new tokens in one forward *with* a non-empty KV cache (ProphetNet's decoder takes one);
+2. give each of them the same logits as feeding them one at a time (FSMT builds no causal mask once its
+   cache is non-empty, so earlier fed tokens would see later ones: a silently wrong output);
+3. let the cache be cropped back to a shorter prefix and continue from there as if never extended.
+
+[`check_decoder`] probes these on the model itself, with a handful of tiny forward passes, and raises an
+[`UnsupportedModelError`] naming the model and the reason when one fails; plain `generate` still works.
+The same probe tells whether decoder positions count non-pad tokens (M2M100, NLLB): then a pad inside a
+multi-token feed shifts later positions, and the loop must end a row's feed after a pad.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hf_blockwise import boundary as hf
+
+_PROBE_LENGTH = 6  # decoder tokens per probe: start token + 5
+
+
+class UnsupportedModelError(ValueError):
+    """A model whose decoder cannot verify drafted tokens exactly; blockwise decoding refuses it."""
+
+
+@dataclass(frozen=True)
+class DecoderCapability:
+    """What the probe found about a model that passed it.
+
+    Attributes:
+        positions_count_non_pad (`bool`): decoder positions are numbered by counting non-pad tokens, so a pad
+            must end a row's feed.
+    """
+
+    positions_count_non_pad: bool
+
+
+_CHECKED: weakref.WeakKeyDictionary[nn.Module, DecoderCapability | UnsupportedModelError] = weakref.WeakKeyDictionary()
+
+
+def check_decoder(model: nn.Module) -> DecoderCapability:
+    """Probes `model` (once; the verdict is cached per model object) and returns what it found.
+
+    Raises:
+        UnsupportedModelError: the model cannot verify several tokens in one cached pass exactly.
+    """
+    verdict = _CHECKED.get(model)
+    if verdict is None:
+        try:
+            verdict = _probe(model)
+        except UnsupportedModelError as error:
+            verdict = error
+        _CHECKED[model] = verdict
+    if isinstance(verdict, UnsupportedModelError):
+        raise verdict
+    return verdict
+
+
+def check_verification_width(model: nn.Module, block_size: int) -> None:
+    """Raises an [`UnsupportedModelError`] when a feed of `block_size` tokens per row would be computed
+    differently from one-token steps (mixture-of-experts decoders that drop tokens beyond a capacity)."""
+    limit = hf.expert_capacity_limit(model)
+    if limit is not None and block_size > limit[0]:
+        raise _refuse(
+            model, f"{limit[1]}, and a verification pass feeds up to {block_size} tokens per row; use a drafter "
+            f"with block_size <= {limit[0]}" if limit[0] > 1 else limit[1]
+        )  # fmt: skip
+
+
+def _refuse(model: nn.Module, reason: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"hf_blockwise cannot decode {type(model).__name__} ({hf.model_name(model)}) exactly: {reason}. "
+        "Its plain greedy generate (assistant=None, or the model's own generate) still works."
+    )
+
+
+def _close(reference: torch.Tensor, other: torch.Tensor) -> bool:
+    """Equal up to the rounding of batched matrix products in the logits' dtype."""
+    relative = 1e-3 if reference.dtype == torch.float32 or reference.dtype == torch.float64 else 5e-2
+    return bool((reference.float() - other.float()).abs().max() <= relative * (1 + reference.float().abs().max()))
+
+
+def _probe(model: nn.Module) -> DecoderCapability:
+    inputs = hf.probe_inputs(model, _PROBE_LENGTH)  # encoder inputs and decoder tokens, batch of 2
+    with torch.no_grad():
+        try:
+            plain = _compare_feeds(model, inputs, inputs.decoder_tokens)
+        except (
+            AssertionError,
+            RuntimeError,
+            ValueError,
+            IndexError,
+            TypeError,
+            AttributeError,
+            NotImplementedError,
+        ) as error:
+            raise _refuse(
+                model, f"its decoder fails when fed several tokens with a non-empty cache ({type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''})"
+            ) from error  # fmt: skip
+        if plain == "multi":
+            raise _refuse(
+                model, "feeding several tokens in one cached pass gives other logits than feeding them one at a "
+                "time (its decoder builds no causal mask with a cache)"
+            )  # fmt: skip
+        if plain == "crop":
+            raise _refuse(model, "its KV cache cannot be cropped back to a shorter prefix exactly")
+        if inputs.pad_token_id is None:
+            return DecoderCapability(positions_count_non_pad=False)
+        with_pad = inputs.decoder_tokens.clone()
+        with_pad[:, 2] = inputs.pad_token_id
+        return DecoderCapability(positions_count_non_pad=_compare_feeds(model, inputs, with_pad) is not None)
+
+
+def _compare_feeds(model: nn.Module, inputs: hf.ProbeInputs, tokens: torch.Tensor) -> str | None:
+    """Feeds `tokens` one at a time, then (after the first) all at once, then crops two and feeds them again.
+
+    Returns:
+        `None` when all agree, `"multi"` when the multi-token pass differs, `"crop"` when the re-fed pass after
+        cropping does.
+    """
+    one_at_a_time = hf.new_decoder_cache()
+    reference = torch.cat(
+        [
+            hf.decoder_forward(model, tokens[:, i : i + 1], one_at_a_time, inputs.forward_kwargs)[0]
+            for i in range(tokens.shape[1])
+        ],
+        dim=1,
+    )  # (2, T, V)
+    cache = hf.new_decoder_cache()
+    hf.decoder_forward(model, tokens[:, :1], cache, inputs.forward_kwargs)
+    together = hf.decoder_forward(model, tokens[:, 1:], cache, inputs.forward_kwargs)[0]  # (2, T-1, V)
+    if not _close(reference[:, 1:], together):
+        return "multi"
+    hf.crop_cache(cache, tokens.shape[1] - 2)
+    again = hf.decoder_forward(model, tokens[:, -2:], cache, inputs.forward_kwargs)[0]  # (2, 2, V)
+    if not _close(reference[:, -2:], again):
+        return "crop"
+    return None

@@ -1,0 +1,136 @@
+"""Blockwise parallel decoding (Stern et al. 2018) as a `custom_generate` loop for transformers' `generate`.
+
+Each iteration is one decoder forward pass that both *verifies* the tokens drafted at the previous step and,
+through the decoder states it produces, lets the drafter *propose* the next block (Stern §4). The step itself
+is `generation.step.decode_step`, a pure function of an explicit [`DecodingState`]; this module adapts
+transformers' calling convention (through `boundary`), checks the model once, and runs the loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+from hf_blockwise import boundary as hf
+from hf_blockwise.drafters.base import Drafter, NoDrafter
+from hf_blockwise.generation.acceptance import AcceptanceRule, ExactAcceptance
+from hf_blockwise.generation.capability import check_decoder, check_verification_width
+from hf_blockwise.generation.state import DecodingSetup, DecodingState, DecodingStats
+from hf_blockwise.generation.step import decode_step
+
+
+def _validate_call(
+    model: nn.Module, input_ids: torch.Tensor, assistant: Drafter | None, acceptance: AcceptanceRule | None
+) -> tuple[Drafter, AcceptanceRule]:
+    hf.encoder_decoder_only(model)
+    if input_ids.shape[0] == 0:
+        raise ValueError("generate was called with an empty batch (batch size 0)")
+    drafter = NoDrafter() if assistant is None else assistant
+    if not isinstance(drafter, Drafter):
+        raise TypeError(
+            f"assistant= takes an hf_blockwise Drafter (e.g. HeadsDrafter), got {type(assistant).__name__}. "
+            "For transformers' own assisted generation with a smaller model, pass assistant_model= to the "
+            "base model's generate instead."
+        )
+    rule = ExactAcceptance() if acceptance is None else acceptance
+    if not isinstance(rule, AcceptanceRule):
+        raise TypeError(f"acceptance= takes an AcceptanceRule such as ExactAcceptance(), got {type(rule).__name__}")
+    return drafter, rule
+
+
+def initial_state(call: hf.GenerateCall, setup: DecodingSetup) -> DecodingState:
+    """The state before the first (prefill) step: every row holds its decoder prompt, nothing is cached."""
+    input_ids = call.decoder_input_ids
+    batch_size, prompt_length = input_ids.shape
+    buffer_length = call.stop_rules.max_length + setup.block_size + 1
+    sequences = input_ids.new_full((batch_size, buffer_length), setup.filler_token_id)
+    sequences[:, :prompt_length] = input_ids
+    lengths = torch.full((batch_size,), prompt_length, dtype=torch.long, device=input_ids.device)
+    return DecodingState(
+        sequences=sequences,
+        lengths=lengths,
+        rows=torch.arange(batch_size, device=input_ids.device),
+        cache_length=0,
+        max_pending=prompt_length,
+        min_pending=prompt_length,
+        cache=call.cache,
+        forward_kwargs=call.forward_kwargs,
+        encoder_input_ids=call.encoder_input_ids,
+        encoder_attention_mask=call.encoder_attention_mask,
+        last_states=None,
+        drafter_state=setup.drafter.prepare(call.encoder_input_ids, call.encoder_attention_mask),
+        output=sequences.clone(),
+        output_lengths=lengths.clone(),
+    )
+
+
+def finish(state: DecodingState, return_dict: bool) -> torch.Tensor | hf.BlockwiseGenerateOutput:
+    """Every row's tokens in the caller's order, cut to the longest row, as greedy search returns them."""
+    output_ids = state.output[:, : int(state.output_lengths.max())]
+    if not return_dict:
+        return output_ids
+    stats = DecodingStats(num_forwards=len(state.accepted), accepted=torch.stack(state.accepted).cpu())
+    return hf.BlockwiseGenerateOutput(sequences=output_ids, decoding_stats=stats)
+
+
+def blockwise_generate(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    inputs_tensor: torch.Tensor | None = None,
+    assistant: Drafter | None = None,
+    acceptance: AcceptanceRule | None = None,
+    **model_kwargs: Any,
+):
+    """Blockwise parallel decoding, to be passed as `model.generate(..., custom_generate=blockwise_generate)`.
+
+    transformers prepares everything (encoder pass, decoder start tokens, logits processors, stopping
+    criteria) and calls this loop in place of greedy search. With the default exact acceptance the result
+    equals the base model's greedy `generate`, token for token, at any batch size. A model whose decoder
+    cannot verify several tokens in one cached pass exactly is refused with an [`UnsupportedModelError`]
+    before anything is decoded.
+
+    Args:
+        assistant ([`Drafter`], *optional*): what proposes tokens; `None` proposes nothing (plain greedy).
+        acceptance ([`AcceptanceRule`], *optional*): defaults to [`ExactAcceptance`].
+
+    Returns:
+        `torch.LongTensor` of shape `(batch_size, sequence_length)`, or a [`BlockwiseGenerateOutput`] with
+        `decoding_stats` when `return_dict_in_generate=True`.
+    """
+    drafter, rule = _validate_call(model, input_ids, assistant, acceptance)
+    call = hf.adapt_generate_call(
+        model, input_ids, stopping_criteria, generation_config, synced_gpus, streamer, inputs_tensor, model_kwargs
+    )
+    block_size = max(int(drafter.block_size), 1)
+    capability = None
+    if block_size > 1:
+        check_verification_width(model, block_size)
+        capability = check_decoder(model)
+    setup = DecodingSetup(
+        model=model,
+        drafter=drafter,
+        acceptance=rule,
+        logits_processor=logits_processor,
+        stop_rules=call.stop_rules,
+        block_size=block_size,
+        filler_token_id=call.filler_token_id,
+        pad_cut_token_id=call.pad_token_id if capability is not None and capability.positions_count_non_pad else None,
+        batch_size=input_ids.shape[0],
+        streamer=call.streamer,
+        capture_states=drafter.reads_decoder_states,
+    )
+    state = initial_state(call, setup)
+    while state.num_rows > 0:
+        state = decode_step(state, setup)
+    if call.streamer is not None:
+        call.streamer.end()
+    return finish(state, generation_config.return_dict_in_generate)

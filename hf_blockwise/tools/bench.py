@@ -1,0 +1,521 @@
+"""`hf-blockwise bench`: every decoding mode side by side, in one run, measured against transformers' greedy.
+
+Each mode decodes the same sentences in the same batches through one harness ([`harness.measure`]): times are
+summed over batches (each batch timed once, modes interleaved per batch so that they share the machine's state).
+Per mode: wall-clock ratio to greedy, target tokens/s, words/s (Devlin 2017's metric; single-threaded with
+`--threads 1`), decoder forwards per output token, mean accepted block, identical-to-greedy rate (generated
+tokens only: [`harness.same_output`]) and BLEU against references.
+
+Two modes measure the decoding loop itself rather than a drafter:
+
+- `loop`: `blockwise_generate` with no drafter (`assistant=None`, i.e. `NoDrafter`): one token per decoder call,
+  like greedy, so its ratio to greedy is the loop's own overhead per step.
+- `oracle` (rows `oracle_k{k}`, one per `--oracle-block-sizes` value): the drafts are greedy's own output for
+  that batch (greedy runs first on each batch; a [`ReferenceDrafter`] proposes its next `k - 1` tokens), so
+  every draft is accepted and each step gains k tokens. Its output must be identical to greedy's (100%), and its
+  speedup is the loop's ceiling on this model and data at block size k: what a perfect drafter that costs
+  nothing would reach. If a drafter's speedup is far below the oracle's at the same mean accepted block, the
+  drafter (its accuracy or its own cost) limits you; if the oracle itself gains little, the loop and the
+  model's cost of feeding k tokens per call ([`decoder_cost_curve`]) do, and no drafter can do better.
+
+The bench also runs on randomly initialised models of real models' shapes and random source ids
+(`--model-config`, [`hf_blockwise.tools.model_configs`]): greedy, loop and oracle need no trained drafter.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gzip
+import json
+import os
+import re
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+from hf_blockwise import boundary as hf
+from hf_blockwise.drafters.input_copy import InputCopyDrafter
+from hf_blockwise.drafters.nar import NonAutoregressiveDrafter
+from hf_blockwise.drafters.oracle import ReferenceDrafter
+from hf_blockwise.generation.acceptance import GADPlusPlusAcceptance, TopKAcceptance
+from hf_blockwise.generation.loop import blockwise_generate
+from hf_blockwise.modeling.quantization import quantize_dynamic_int8
+from hf_blockwise.serialization import atomic_write_text
+from hf_blockwise.tools.harness import Batch, Runner, measure, sequences_of
+from hf_blockwise.tools.harness import DecoderCallCounter as DecoderCallCounter  # re-exported
+from hf_blockwise.tools.harness import ModeResult as ModeResult  # re-exported
+
+MODE_NAMES = (
+    "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_full_vocab", "heads_top2", "iad", "gad",
+    "gad_pp", "greedy_int8", "heads_int8", "iad_int8", "loop", "oracle",
+)  # fmt: skip
+DEFAULT_MODES = (
+    "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_top2", "iad", "gad", "gad_pp", "loop", "oracle",
+)  # fmt: skip
+# The CPU fast path, step by step (Devlin 2017, Table 1): blockwise heads drafting over the whole vocabulary,
+# + the heads' vocabulary shortlist, + int8 matrix products (with int8 greedy as that step's exact reference).
+FAST_PATH_MODES = ("greedy", "heads_full_vocab", "heads", "greedy_int8", "heads_int8")
+# The loop alone, without a trained drafter: what `--model-config` runs.
+LOOP_MODES = ("greedy", "loop", "oracle")
+BATCH_ONE_ONLY = {"prompt_lookup", "assisted"}  # transformers' assisted generation decodes one row at a time
+INT8_MODES = {"greedy_int8", "heads_int8", "iad_int8"}
+DEFAULT_ORACLE_BLOCK_SIZES = (4,)
+ORACLE_MODE = re.compile(r"oracle_k(\d+)")
+
+
+def reference_mode(mode: str) -> str:
+    """The greedy mode whose output `mode` must reproduce: int8 modes are exact w.r.t. the int8 model."""
+    return "greedy_int8" if mode in INT8_MODES else "greedy"
+
+
+def oracle_mode(block_size: int) -> str:
+    """The row name of the oracle mode at block size k: `oracle_k{k}`."""
+    return f"oracle_k{block_size}"
+
+
+@dataclass
+class BenchSetup:
+    """What the modes decode with.
+
+    Attributes:
+        base: the transformers seq2seq model (greedy reference and verifier).
+        tokenizer (*optional*): turns source sentences into ids and outputs into texts; without one, sources are
+            token ids and no texts, words/s or BLEU are reported.
+        heads_model: a [`BlockwiseHeadsModel`] around `base`, for the heads modes.
+        assistant_model: a smaller transformers model for transformers' assisted generation.
+        max_new_tokens (`int`): length limit of every mode.
+        iad_max_draft_length (`int`): most source tokens the IAD modes draft per step.
+        nar_drafter ([`NonAutoregressiveDrafter`], *optional*): the drafter of the GAD modes.
+        gad_block_size (`int`, *optional*): tokens per GAD step (default: the drafter's trained block size).
+        gad_top_beta (`int`), gad_tolerance (`float`): GAD++'s β and τ (mode `gad_pp`).
+        oracle_block_sizes (`tuple[int, ...]`): the block sizes k of the `oracle` mode, one row `oracle_k{k}` each.
+    """
+
+    base: nn.Module
+    tokenizer: Any
+    heads_model: nn.Module | None = None
+    assistant_model: nn.Module | None = None
+    max_new_tokens: int = 128
+    iad_max_draft_length: int = 32
+    nar_drafter: Any = None
+    gad_block_size: int | None = None
+    gad_top_beta: int = 3
+    gad_tolerance: float = 1.0
+    oracle_block_sizes: tuple[int, ...] = DEFAULT_ORACLE_BLOCK_SIZES
+
+    def int8_copy(self) -> BenchSetup:
+        """The same setup with int8 dynamically quantized copies of the base (and of the heads model's base)."""
+        source = self.heads_model if self.heads_model is not None else self.base
+        quantized = quantize_dynamic_int8(copy.deepcopy(source))
+        heads_model = quantized if self.heads_model is not None else None
+        base = quantized.base_model if heads_model is not None else quantized
+        return dataclasses.replace(self, base=base, heads_model=heads_model, assistant_model=None)
+
+
+def available_modes(setup: BenchSetup, requested: Sequence[str]) -> list[str]:
+    """The requested modes this setup can run, with a reason printed for each one left out; `oracle` becomes one
+    `oracle_k{k}` mode per block size of `setup.oracle_block_sizes`."""
+    modes = []
+    for mode in requested:
+        if mode not in MODE_NAMES and not ORACLE_MODE.fullmatch(mode):
+            raise ValueError(f"Unknown mode {mode!r}; choose from {MODE_NAMES}")
+        if mode == "oracle":
+            modes += [oracle_mode(k) for k in setup.oracle_block_sizes]
+        elif mode.startswith("heads") and setup.heads_model is None:
+            print(f"skipping {mode}: the model has no proposal heads")
+        elif mode == "assisted" and setup.assistant_model is None:
+            print("skipping assisted: pass --assistant-model")
+        elif mode.startswith("gad") and setup.nar_drafter is None:
+            print(f"skipping {mode}: pass --nar-drafter")
+        elif mode == "iad" and not _shares_vocabulary(setup.base):
+            print("skipping iad: source and target vocabularies differ")
+        else:
+            modes.append(mode)
+    if "greedy_int8" not in modes and INT8_MODES & set(modes):
+        modes.insert(0, "greedy_int8")
+    if "greedy" not in modes:
+        modes.insert(0, "greedy")
+    modes = list(dict.fromkeys(modes))
+    # references first: each batch is decoded by the modes in this order, and others are compared with them
+    return sorted(modes, key=lambda mode: mode not in ("greedy", "greedy_int8"))
+
+
+def _shares_vocabulary(model: nn.Module) -> bool:
+    try:
+        hf.check_shared_vocabulary(model)
+    except ValueError:
+        return False
+    return True
+
+
+def usable_batch_sizes(batch_sizes: Sequence[int], num_sentences: int) -> list[int]:
+    """The batch sizes that fit `num_sentences`; a note is printed for each one skipped."""
+    usable = []
+    for batch_size in dict.fromkeys(batch_sizes):
+        if batch_size < 1:
+            raise ValueError(f"batch sizes must be >= 1, got {batch_size}")
+        if batch_size > num_sentences:
+            print(f"skipping batch size {batch_size}: larger than the {num_sentences} sentences")
+        else:
+            usable.append(batch_size)
+    if not usable:
+        raise ValueError(f"every batch size in {list(batch_sizes)} is larger than the {num_sentences} sentences")
+    return usable
+
+
+def make_batches(
+    sources: Sequence[str] | Sequence[Sequence[int]],
+    batch_size: int,
+    tokenizer: Any,
+    pad_token_id: int,
+    device: torch.device,
+) -> list[Batch]:
+    """`sources` in consecutive batches of `batch_size` rows, right-padded, with attention masks.
+
+    Args:
+        sources: sentences (tokenized with `tokenizer`) or, without a tokenizer, lists of source token ids.
+
+    Returns:
+        `list[dict]` with `input_ids` and `attention_mask` of shape `(rows, longest source of the batch)`.
+    """
+    chunks = [list(sources[start : start + batch_size]) for start in range(0, len(sources), batch_size)]
+    if tokenizer is not None:
+        return [dict(tokenizer(chunk, return_tensors="pt", padding=True).to(device)) for chunk in chunks]
+    batches = []
+    for chunk in chunks:
+        width = max(len(ids) for ids in chunk)
+        input_ids = torch.tensor([list(ids) + [pad_token_id] * (width - len(ids)) for ids in chunk], device=device)
+        attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in chunk], device=device)
+        batches.append({"input_ids": input_ids, "attention_mask": attention_mask})
+    return batches
+
+
+def _blockwise_runner(model: nn.Module, limit: int, **generate_kwargs: Any) -> Runner:
+    """`model.generate` through this package's loop (or a [`BlockwiseHeadsModel`]'s own generate)."""
+    return lambda batch, _: model.generate(
+        **batch, **generate_kwargs, max_new_tokens=limit, return_dict_in_generate=True
+    )
+
+
+def _oracle_runner(base: nn.Module, block_size: int, limit: int) -> Runner:
+    """Blockwise decoding that drafts greedy's own output of the same batch (the `greedy` mode's)."""
+
+    def run(batch: Batch, earlier: dict[str, Any]) -> Any:
+        drafter = ReferenceDrafter(sequences_of(earlier["greedy"]), block_size=block_size)
+        return base.generate(
+            **batch, custom_generate=blockwise_generate, assistant=drafter, max_new_tokens=limit,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+
+    return run
+
+
+def mode_runner(mode: str, setup: BenchSetup) -> Runner:
+    """A function `runner(batch, earlier)` decoding one tokenized batch in `mode` (see [`harness.measure`]);
+    returns sequences or a dict-style output.
+
+    For the int8 modes, `setup` is the quantized one ([`BenchSetup.int8_copy`]). `oracle_k{k}` modes read the
+    `greedy` mode's output of the same batch from `earlier`.
+    """
+    oracle = ORACLE_MODE.fullmatch(mode)
+    mode = mode.removesuffix("_int8")
+    base, limit = setup.base, setup.max_new_tokens
+    if oracle:
+        return _oracle_runner(base, int(oracle.group(1)), limit)
+    if mode == "greedy":
+        return lambda batch, _: base.generate(**batch, do_sample=False, num_beams=1, max_new_tokens=limit)
+    if mode == "beam4":
+        return lambda batch, _: base.generate(**batch, do_sample=False, num_beams=4, max_new_tokens=limit)
+    if mode == "prompt_lookup":
+        return lambda batch, _: base.generate(
+            **batch, do_sample=False, prompt_lookup_num_tokens=10, max_new_tokens=limit
+        )
+    if mode == "assisted":
+        return lambda batch, _: base.generate(
+            **batch, do_sample=False, assistant_model=setup.assistant_model, max_new_tokens=limit
+        )
+    if mode == "loop":
+        return _blockwise_runner(base, limit, custom_generate=blockwise_generate, assistant=None)
+    if mode in ("heads", "heads_full_vocab", "heads_top2"):
+        rule = TopKAcceptance(2) if mode == "heads_top2" else None
+        drafter = setup.heads_model.drafter(use_shortlist=mode != "heads_full_vocab")
+        return _blockwise_runner(setup.heads_model, limit, assistant=drafter, acceptance=rule)
+    if mode == "iad":
+        drafter = InputCopyDrafter(base, max_draft_length=setup.iad_max_draft_length)
+        return _blockwise_runner(base, limit, custom_generate=blockwise_generate, assistant=drafter)
+    if mode in ("gad", "gad_pp"):
+        nar = setup.nar_drafter
+        drafter = NonAutoregressiveDrafter(nar.model, nar.config, block_size=setup.gad_block_size, verifier=base)
+        rule = GADPlusPlusAcceptance(setup.gad_top_beta, setup.gad_tolerance) if mode == "gad_pp" else None
+        return _blockwise_runner(base, limit, custom_generate=blockwise_generate, assistant=drafter, acceptance=rule)
+    raise ValueError(f"Unknown mode {mode!r}")
+
+
+def run_bench(
+    setup: BenchSetup,
+    sources: Sequence[str] | Sequence[Sequence[int]],
+    references: Sequence[str] | None,
+    modes: Sequence[str],
+    batch_sizes: Sequence[int],
+    progress: bool = True,
+    variants: dict[str, tuple[str, BenchSetup]] | None = None,
+) -> list[ModeResult]:
+    """Decodes `sources` in every mode at every batch size; returns one [`ModeResult`] per pair.
+
+    Batch sizes larger than the number of sources are skipped (with a printed note).
+
+    Args:
+        sources: sentences, or lists of source token ids when `setup.tokenizer` is `None`.
+        references (`list[str]`, *optional*): one per source, for BLEU.
+        variants (`dict`, *optional*): more runs by name, each a mode with its own setup (e.g. a sweep over GAD's
+            block size); they are timed beside the modes, batch by batch, and compared with the same greedy run.
+    """
+    if not sources:
+        raise ValueError("The benchmark needs at least one source sentence")
+    modes = available_modes(setup, modes)
+    int8_setup = setup.int8_copy() if INT8_MODES & set(modes) else None
+    counted = [setup.base] + ([int8_setup.base] if int8_setup is not None else [])
+    pad_token_id = setup.base.config.pad_token_id
+    device = next(setup.base.parameters()).device
+    results = []
+    for batch_size in usable_batch_sizes(batch_sizes, len(sources)):
+        batches = make_batches(sources, batch_size, setup.tokenizer, pad_token_id, device)
+        active = [mode for mode in modes if batch_size == 1 or mode not in BATCH_ONE_ONLY]
+        runners = {mode: mode_runner(mode, int8_setup if mode in INT8_MODES else setup) for mode in active}
+        for name, (mode, variant_setup) in (variants or {}).items():
+            if name in runners:
+                raise ValueError(f"variant name {name!r} is also a mode")
+            runners[name] = mode_runner(mode, variant_setup)
+        by_mode = measure(
+            runners, batches, pad_token_id=pad_token_id, reference={name: reference_mode(name) for name in runners},
+            baseline="greedy", tokenizer=setup.tokenizer, references=references, count_forwards_of=counted,
+            progress=progress, description=f"bench batch {batch_size}",
+        )  # fmt: skip
+        results += by_mode.values()
+    return results
+
+
+def block_widths(setup: BenchSetup, modes: Sequence[str]) -> dict[str, int]:
+    """Tokens fed per step, for the modes whose every step feeds the same number: heads (the heads' k), GAD (the
+    drafter's k) and oracle (its k). IAD's width follows the source, so it has none."""
+    widths = {}
+    for mode in modes:
+        oracle = ORACLE_MODE.fullmatch(mode)
+        if oracle:
+            widths[mode] = int(oracle.group(1))
+        elif mode.startswith("heads") and setup.heads_model is not None:
+            widths[mode] = setup.heads_model.blockwise_config.block_size
+        elif mode.startswith("gad") and setup.nar_drafter is not None:
+            widths[mode] = setup.gad_block_size or setup.nar_drafter.block_size
+    return widths
+
+
+def set_speedup_ceilings(results: Sequence[ModeResult], curve: Sequence[tuple[int, float]], setup: BenchSetup) -> None:
+    """Sets `speedup_ceiling` ([`speedup_ceiling`]) of the batch-1 results of fixed-width modes the curve covers."""
+    widths = block_widths(setup, [result.mode for result in results])
+    for result in results:
+        width = widths.get(result.mode)
+        if width is not None and width <= len(curve) and result.batch_size == 1 and result.mean_accepted:
+            result.speedup_ceiling = speedup_ceiling(curve, result.mean_accepted, width)
+
+
+def _format(value: float | None, pattern: str) -> str:
+    return "" if value is None else pattern.format(value)
+
+
+def _table_cells(result: ModeResult) -> dict[str, str]:
+    figures = result.summary()
+    return {
+        "batch": str(result.batch_size),
+        "mode": result.mode,
+        "speedup vs greedy": _format(result.speedup, "{:.2f}x"),
+        "ceiling": _format(result.speedup_ceiling, "{:.2f}x"),
+        "tokens/s": _format(figures["tokens_per_second"], "{:.0f}"),
+        "words/s": _format(figures["words_per_second"], "{:.0f}"),
+        "forwards/token": _format(figures["forwards_per_token"] if result.decoder_forwards else None, "{:.2f}"),
+        "mean accepted": _format(figures["mean_accepted"], "{:.2f}"),
+        "identical¹": f"{result.identical}/{result.compared}" if result.compared else "",
+        "BLEU": _format(result.bleu, "{:.2f}"),
+    }
+
+
+def markdown_table(results: Sequence[ModeResult], header: str) -> str:
+    """The results as a Markdown table under `header`; columns empty in every row are left out."""
+    rows = [_table_cells(result) for result in results]
+    columns = [column for column in rows[0] if any(row[column] for row in rows)] if rows else []
+    lines = [header, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(row[column] for column in columns) + " |" for row in rows]
+    if "identical¹" in columns:
+        lines += [
+            "",
+            "¹ generated tokens equal, token for token, to greedy decoding of the same model (int8 modes: the int8 "
+            "model); `oracle_k*` must be 100%",
+        ]
+    if "ceiling" in columns:
+        lines += [
+            "",
+            "ceiling: `mean accepted · t(1) / t(k)` from the decoder cost curve (`--cost-curve`), for modes that "
+            "feed k tokens every step: what the mode would reach if drafting and the loop cost nothing (GAD's "
+            "drafter calls come on top)",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _mode_colours(modes: Sequence[str]) -> dict[str, Any]:
+    """One distinct colour per mode: a qualitative colormap (tab10, tab20), or evenly spaced hues beyond 20."""
+    import matplotlib
+
+    names = list(dict.fromkeys(modes))
+    if len(names) <= 10:
+        palette = matplotlib.colormaps["tab10"].colors
+    elif len(names) <= 20:
+        palette = matplotlib.colormaps["tab20"].colors
+    else:
+        palette = [matplotlib.colormaps["hsv"](index / len(names)) for index in range(len(names))]
+    return {name: palette[index] for index, name in enumerate(names)}
+
+
+def plot(results: Sequence[ModeResult], path: str) -> bool:
+    """Speedup (and BLEU, given references) against mean accepted block (Stern's Figure 4 and Table 1 scatter),
+    one PNG; one colour per mode, one marker per batch size. Panels without data are left out.
+
+    Returns:
+        `bool`: whether anything was plotted (no file is written otherwise).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plotted = [result for result in results if result.mean_accepted is not None and result.speedup is not None]
+    panels = [("speed", "wall-clock speedup vs greedy", lambda result: result.speedup)]
+    if any(result.bleu is not None for result in plotted):
+        panels.append(("quality", "BLEU", lambda result: result.bleu))
+    if not plotted:
+        return False
+    colours = _mode_colours([result.mode for result in plotted])
+    markers = dict(zip(dict.fromkeys(result.batch_size for result in plotted), "osD^v<>pPX*", strict=False))
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels) + 1, 4), squeeze=False)
+    for axis, (title, label, value) in zip(axes[0], panels, strict=True):
+        for result in plotted:
+            if value(result) is not None:
+                axis.scatter(
+                    result.mean_accepted, value(result), color=colours[result.mode],
+                    marker=markers.get(result.batch_size, "o"), label=f"{result.mode} (b={result.batch_size})",
+                )  # fmt: skip
+        axis.set(xlabel="mean accepted block", ylabel=label, title=title)
+    axes[0][0].axhline(1.0, color="grey", linewidth=0.5)
+    axes[0][0].legend(fontsize=7)
+    figure.tight_layout()
+    temporary = f"{path}.tmp.png"
+    figure.savefig(temporary, dpi=110)
+    plt.close(figure)
+    os.replace(temporary, path)
+    return True
+
+
+def write_report(results: Sequence[ModeResult], out_dir: str, header: str, settings: dict[str, Any]) -> list[str]:
+    """`bench.json`, `bench.md` and `bench.png` (when there is anything to plot) in `out_dir`, each written
+    atomically; returns the paths written."""
+    os.makedirs(out_dir, exist_ok=True)
+    report = {"settings": settings, "results": [result.summary() for result in results]}
+    paths = [os.path.join(out_dir, name) for name in ("bench.json", "bench.md", "bench.png")]
+    atomic_write_text(paths[0], json.dumps(report, indent=2) + "\n")
+    atomic_write_text(paths[1], markdown_table(results, header))
+    if not plot(results, paths[2]):
+        print("no plot: no mode reports a mean accepted block")
+        paths.pop()
+    return paths
+
+
+def read_lines(path: str) -> list[str]:
+    """One sentence per line, plain or gzip text."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as handle:
+        return [" ".join(line.split()) for line in handle.read().splitlines()]
+
+
+@torch.no_grad()
+def decoder_cost_curve(
+    base: nn.Module,
+    tokenizer: Any,
+    sentence: str | Sequence[int],
+    max_tokens: int = 32,
+    prefix_length: int = 10,
+    repeats: int = 20,
+) -> list[tuple[int, float]]:
+    """Median time of one cached decoder forward that feeds n = 1..`max_tokens` new tokens.
+
+    The cache first holds `prefix_length` tokens and the encoder output is computed once, as in decoding.
+    The curve bounds what any drafter can gain: a step that feeds k tokens and keeps a of them is at most
+    `a * t(1) / t(k)` times faster than greedy (see [`speedup_ceiling`]).
+
+    Args:
+        sentence: the source, as text (tokenized with `tokenizer`) or as a list of token ids (`tokenizer` unused).
+
+    Returns:
+        `list[tuple[int, float]]`: (tokens fed, seconds per call), for 1..`max_tokens`.
+    """
+    device = next(base.parameters()).device
+    if isinstance(sentence, str):
+        inputs = tokenizer([sentence], return_tensors="pt").to(device)
+    else:
+        input_ids = torch.tensor([list(sentence)], device=device)
+        inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    encoder_outputs = base.get_encoder()(**inputs)
+    start = torch.full((1, 1), base.config.decoder_start_token_id, device=device)
+    prefix = torch.cat([start, torch.full((1, prefix_length - 1), base.config.eos_token_id, device=device)], dim=1)
+    curve = []
+    for num_tokens in range(1, max_tokens + 1):
+        fed = torch.full((1, num_tokens), base.config.eos_token_id, device=device)
+        times = []
+        for _ in range(repeats):
+            cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+            base(encoder_outputs=encoder_outputs, attention_mask=inputs["attention_mask"], decoder_input_ids=prefix,
+                 past_key_values=cache, use_cache=True)  # fmt: skip
+            begin = time.perf_counter()
+            base(encoder_outputs=encoder_outputs, attention_mask=inputs["attention_mask"], decoder_input_ids=fed,
+                 past_key_values=cache, use_cache=True)  # fmt: skip
+            times.append(time.perf_counter() - begin)
+        curve.append((num_tokens, statistics.median(times)))
+    return curve
+
+
+def speedup_ceiling(curve: Sequence[tuple[int, float]], mean_accepted: float, tokens_fed: int) -> float:
+    """Best speedup over greedy for steps that feed `tokens_fed` tokens and gain `mean_accepted` on average,
+    counting decoder forwards only: `mean_accepted * t(1) / t(tokens_fed)`."""
+    times = dict(curve)
+    return mean_accepted * times[1] / times[tokens_fed]
+
+
+def plot_cost_curve(curve: Sequence[tuple[int, float]], path: str) -> None:
+    """The decoder cost curve and the speedup ceilings it implies, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (time_axis, ceiling_axis) = plt.subplots(1, 2, figsize=(10, 4))
+    tokens = [n for n, _ in curve]
+    time_axis.plot(tokens, [1000 * t for _, t in curve], marker="o")
+    time_axis.set(xlabel="tokens fed in one decoder call", ylabel="ms per call", title="decoder cost curve")
+    accepted_levels = (1.5, 2.0, 3.0, 4.0)
+    colours = _mode_colours([str(accepted) for accepted in accepted_levels])
+    for accepted in accepted_levels:
+        ceiling = [speedup_ceiling(curve, min(accepted, n), n) for n in tokens]
+        ceiling_axis.plot(tokens, ceiling, label=f"mean accepted {accepted:g}", color=colours[str(accepted)])
+    ceiling_axis.set(xlabel="block size k (tokens fed)", ylabel="speedup ceiling", title="a · t(1) / t(k)")
+    ceiling_axis.axhline(1.0, color="grey", linewidth=0.5)
+    ceiling_axis.legend(fontsize=7)
+    figure.tight_layout()
+    temporary = f"{path}.tmp.png"
+    figure.savefig(temporary, dpi=110)
+    plt.close(figure)
+    os.replace(temporary, path)

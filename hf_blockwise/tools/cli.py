@@ -1,0 +1,374 @@
+"""`hf-blockwise` console script: `demo` (greedy and blockwise side by side) and `bench` (every mode, or the
+loop alone on random models of real shapes with `--model-config`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+
+import torch
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+from transformers.utils import logging as transformers_logging
+
+from hf_blockwise.drafters.nar import NAR_CONFIG_NAME, NonAutoregressiveDrafter
+from hf_blockwise.modeling.config import CONFIG_NAME
+from hf_blockwise.modeling.model import BlockwiseHeadsModel
+from hf_blockwise.modeling.quantization import quantize_dynamic_int8
+from hf_blockwise.serialization import atomic_write_text
+from hf_blockwise.tools.bench import (
+    DEFAULT_MODES,
+    DEFAULT_ORACLE_BLOCK_SIZES,
+    FAST_PATH_MODES,
+    LOOP_MODES,
+    MODE_NAMES,
+    BenchSetup,
+    decoder_cost_curve,
+    plot_cost_curve,
+    read_lines,
+    run_bench,
+    set_speedup_ceilings,
+    write_report,
+)
+from hf_blockwise.tools.harness import measure
+from hf_blockwise.tools.model_configs import MODEL_CONFIGS, build_model, random_sources, resolve_name
+
+DEMO_SENTENCES = [
+    "A man in a blue shirt is standing on a ladder.",
+    "Two children are playing in the sand at the beach.",
+    "A woman with a red hat is riding a bicycle down the street.",
+    "A group of people are sitting around a table outside.",
+    "A black dog is running through the grass.",
+    "A young girl is climbing a rock wall.",
+]
+
+SHIPPED_MODEL = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pretrained", "multi30k-en-de"
+)
+
+
+def run_demo(
+    model_path: str,
+    sentences: Sequence[str],
+    repeats: int,
+    threads: int | None,
+    max_new_tokens: int = 128,
+    int8: bool = False,
+) -> int:
+    """Greedy and blockwise (the model's heads) side by side, one sentence at a time, through the measurement
+    harness; prints each pair of outputs, whether they are identical, the mean accepted block and the speedup.
+
+    Returns:
+        `int`: 0 when every output is identical to greedy's, else 1 (the exit status).
+    """
+    transformers_logging.set_verbosity_error()  # the demo's own output is the point
+    if threads:
+        torch.set_num_threads(threads)
+    if not os.path.isdir(model_path):
+        raise SystemExit(f"No checkpoint at {model_path}: pass --model DIR holding a base model, heads and tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    # stored in fp16 to stay small; CPU matmuls are fast in fp32
+    model = BlockwiseHeadsModel.from_pretrained(model_path, dtype=torch.float32).eval()
+    if int8:
+        quantize_dynamic_int8(model)  # greedy below is then the int8 model's greedy too
+    base = model.base_model
+    precision = "int8" if int8 else "fp32"
+    print(
+        f"model: {model_path} (block size k={model.blockwise_config.block_size}, {precision}), "
+        f"{torch.get_num_threads()} threads, batch 1"
+    )
+    runners = {
+        "greedy": lambda batch, _: base.generate(**batch, do_sample=False, num_beams=1, max_new_tokens=max_new_tokens),
+        "blockwise": lambda batch, _: model.generate(
+            **batch, max_new_tokens=max_new_tokens, return_dict_in_generate=True
+        ),
+    }  # fmt: skip
+    batches = [dict(tokenizer([sentence], return_tensors="pt")) for sentence in sentences]
+    results = measure(
+        runners, batches, pad_token_id=base.config.pad_token_id, reference="greedy", tokenizer=tokenizer,
+        repeats=repeats, progress=False,
+    )  # fmt: skip
+    greedy, blockwise = results["greedy"], results["blockwise"]
+    for sentence, greedy_text, text, same in zip(
+        sentences, greedy.texts, blockwise.texts, blockwise.identical_rows, strict=True
+    ):
+        print(f"\nsource:    {sentence}")
+        print(f"greedy:    {greedy_text}")
+        print(f"blockwise: {text}   [identical: {same}]")
+    print(f"\nidentical outputs: {blockwise.identical}/{len(sentences)}")
+    print(f"mean accepted block: {blockwise.mean_accepted:.2f} tokens per decoder call")
+    print(
+        f"time (sum of per-sentence medians over {repeats} runs): greedy {greedy.seconds:.3f}s, "
+        f"blockwise {blockwise.seconds:.3f}s, speedup {blockwise.speedup:.2f}x"
+    )
+    return 0 if blockwise.identical == len(sentences) else 1
+
+
+# where a model directory keeps its non-autoregressive drafter, if it ships one
+NAR_DRAFTER_SUBDIR = "nar-drafter"
+# `--model-config` runs: sources of this many random token ids, and these defaults
+MODEL_CONFIG_SOURCE_LENGTH = 20
+MODEL_CONFIG_SENTENCES = 8
+MODEL_CONFIG_MAX_NEW_TOKENS = 32
+MODEL_CONFIG_ORACLE_BLOCK_SIZES = (2, 3, 4, 5, 6, 8)
+
+
+def load_for_bench(
+    model_path: str,
+    assistant_path: str | None,
+    max_new_tokens: int,
+    iad_max_draft_length: int = 32,
+    nar_drafter_path: str | None = None,
+) -> BenchSetup:
+    """The bench's setup from a model directory: base (with heads if it has some), tokenizer, assistant model
+    and NAR drafter (`<model>/nar-drafter` when present and none is given)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    heads_model = None
+    if os.path.isfile(os.path.join(model_path, CONFIG_NAME)):
+        heads_model = BlockwiseHeadsModel.from_pretrained(model_path, dtype=torch.float32).eval()
+        base = heads_model.base_model
+    else:
+        base = AutoModelForSeq2SeqLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    assistant = None
+    if assistant_path is not None and os.path.isfile(os.path.join(assistant_path, NAR_CONFIG_NAME)):
+        # a drafter is a small seq2seq model of the same vocabulary; fed no masks, its output at the last
+        # verified position is an autoregressive next-token prediction, which is all an assistant model makes
+        drafter = NonAutoregressiveDrafter.from_pretrained(assistant_path, verifier=base, dtype=torch.float32)
+        assistant = drafter.model.eval()
+    elif assistant_path is not None:
+        assistant = AutoModelForSeq2SeqLM.from_pretrained(assistant_path, dtype=torch.float32).eval()
+    shipped_drafter = os.path.join(model_path, NAR_DRAFTER_SUBDIR)
+    if nar_drafter_path is None and os.path.isfile(os.path.join(shipped_drafter, NAR_CONFIG_NAME)):
+        nar_drafter_path = shipped_drafter
+    nar_drafter = None
+    if nar_drafter_path is not None:
+        nar_drafter = NonAutoregressiveDrafter.from_pretrained(nar_drafter_path, verifier=base, dtype=torch.float32)
+    return BenchSetup(
+        base=base, tokenizer=tokenizer, heads_model=heads_model, assistant_model=assistant,
+        max_new_tokens=max_new_tokens, iad_max_draft_length=iad_max_draft_length, nar_drafter=nar_drafter,
+    )  # fmt: skip
+
+
+def _sources(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
+    """The sentences (and references) the bench decodes, from `--source-file` or the demo's examples."""
+    if args.source_file:
+        sources = read_lines(args.source_file)
+        references = read_lines(args.reference_file) if args.reference_file else None
+    else:
+        sources, references = list(DEMO_SENTENCES), None
+    if references is not None and len(references) != len(sources):
+        raise SystemExit(f"{len(sources)} source lines but {len(references)} reference lines")
+    if args.sentences:
+        sources = sources[: args.sentences]
+        references = references[: args.sentences] if references is not None else None
+    return sources, references
+
+
+def _model_config_setup(args: argparse.Namespace) -> tuple[BenchSetup, list[list[int]]]:
+    """`--model-config`: a randomly initialised model of that shape and random source ids (no tokenizer)."""
+    base = build_model(args.model_config, tiny=args.tiny_model_config)
+    sources = random_sources(base.config, args.sentences or MODEL_CONFIG_SENTENCES, MODEL_CONFIG_SOURCE_LENGTH)
+    setup = BenchSetup(base=base, tokenizer=None, max_new_tokens=args.max_new_tokens or MODEL_CONFIG_MAX_NEW_TOKENS)
+    return setup, sources
+
+
+def _bench_setup(args: argparse.Namespace) -> tuple[BenchSetup, list, list[str] | None]:
+    """The setup, sources and references of a `bench` command."""
+    if args.model_config:
+        setup, sources = _model_config_setup(args)
+        references = None
+    else:
+        sources, references = _sources(args)
+        setup = load_for_bench(
+            args.model, args.assistant_model, args.max_new_tokens or 128, args.iad_max_draft_length, args.nar_drafter
+        )
+    oracle_block_sizes = args.oracle_block_sizes or (
+        MODEL_CONFIG_ORACLE_BLOCK_SIZES if args.model_config else DEFAULT_ORACLE_BLOCK_SIZES
+    )
+    setup = dataclasses.replace(
+        setup, gad_block_size=args.gad_block_size, gad_top_beta=args.gad_top_beta, gad_tolerance=args.gad_tolerance,
+        oracle_block_sizes=tuple(oracle_block_sizes),
+    )  # fmt: skip
+    return setup, sources, references
+
+
+def _requested_modes(args: argparse.Namespace) -> list[str]:
+    if args.modes:
+        return args.modes
+    if args.model_config:
+        return list(LOOP_MODES)
+    return list(FAST_PATH_MODES if args.fast_path else DEFAULT_MODES)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    """`hf-blockwise bench`: decodes, writes `bench.json`, `bench.md`, `bench.png` (and the cost curve) into
+    `--out`, prints the table and where the report is."""
+    transformers_logging.set_verbosity_error()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        args.sentences = min(args.sentences or 16, 16)
+    setup, sources, references = _bench_setup(args)
+    cost_curve = args.cost_curve or args.model_config is not None
+    curve_tokens = args.cost_curve_max_tokens or (max(setup.oracle_block_sizes) if args.model_config else 32)
+    curve = write_cost_curve(setup, sources[0], args.out, curve_tokens) if cost_curve else None
+    results = run_bench(setup, sources, references, _requested_modes(args), args.batch_sizes)
+    if curve is not None:
+        set_speedup_ceilings(results, curve, setup)
+    settings = {
+        "model": args.model if args.model_config is None else None,
+        "model_config": args.model_config,
+        "tiny_model_config": args.tiny_model_config,
+        "nar_drafter": args.nar_drafter,
+        "gad_block_size": args.gad_block_size,
+        "gad_top_beta": args.gad_top_beta,
+        "gad_tolerance": args.gad_tolerance,
+        "oracle_block_sizes": list(setup.oracle_block_sizes),
+        "source_file": args.source_file,
+        "sentences": len(sources),
+        "threads": torch.get_num_threads(),
+        "batch_sizes": sorted({result.batch_size for result in results}),
+        "max_new_tokens": setup.max_new_tokens,
+        "device": str(next(setup.base.parameters()).device),
+    }
+    written = write_report(results, args.out, _report_header(args, settings), settings)
+    with open(written[1], encoding="utf-8") as report:
+        print(report.read())
+    print(f"report written to {os.path.abspath(args.out)}: " + ", ".join(os.path.basename(path) for path in written))
+    return 0
+
+
+def _report_header(args: argparse.Namespace, settings: dict) -> str:
+    if args.model_config:
+        model = f"random-init {args.model_config} shapes" + (" (tiny)" if args.tiny_model_config else "")
+        sources = f"{settings['sentences']} random sources of {MODEL_CONFIG_SOURCE_LENGTH} tokens"
+    else:
+        model = os.path.basename(os.path.normpath(args.model))
+        sources = f"{settings['sentences']} sentences"
+    return (
+        f"# hf-blockwise bench: {model}, {sources}, {settings['max_new_tokens']} new tokens at most, "
+        f"{settings['threads']} threads, {settings['device']}"
+    )
+
+
+def write_cost_curve(
+    setup: BenchSetup, sentence: str | Sequence[int], out_dir: str, max_tokens: int = 32
+) -> list[tuple[int, float]]:
+    """Times the decoder cost curve on `sentence` (text, or token ids without a tokenizer) for 1..`max_tokens`
+    tokens; writes `cost_curve.json` and `cost_curve.png` into `out_dir`."""
+    curve = decoder_cost_curve(setup.base, setup.tokenizer, sentence, max_tokens=max_tokens)
+    os.makedirs(out_dir, exist_ok=True)
+    report = {"sentence": sentence, "threads": torch.get_num_threads(), "ms_per_call": {n: 1000 * t for n, t in curve}}
+    atomic_write_text(os.path.join(out_dir, "cost_curve.json"), json.dumps(report, indent=2) + "\n")
+    plot_cost_curve(curve, os.path.join(out_dir, "cost_curve.png"))
+    print("decoder cost curve (ms per call by tokens fed): " + ", ".join(f"{n}: {1000 * t:.2f}" for n, t in curve[:8]))
+    return curve
+
+
+def _model_config_name(name: str) -> str:
+    try:
+        return resolve_name(name)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
+def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
+    bench.add_argument("--model", default=SHIPPED_MODEL, help="seq2seq model directory, with or without heads")
+    bench.add_argument(
+        "--model-config",
+        type=_model_config_name,
+        default=None,
+        help="instead of --model: a randomly initialised model of this shape, on random source ids ("
+        + ", ".join(MODEL_CONFIGS)
+        + "); modes greedy, loop, oracle and the decoder cost curve by default",
+    )
+    bench.add_argument("--tiny-model-config", action="store_true", help=argparse.SUPPRESS)  # tests: tiny shapes
+    bench.add_argument(
+        "--assistant-model",
+        default=None,
+        help="small seq2seq model for transformers' assisted generation (a NAR drafter directory works too)",
+    )
+    bench.add_argument("--source-file", default=None, help="one source per line (.gz allowed); default: demo")
+    bench.add_argument("--reference-file", default=None, help="references for BLEU, line by line")
+    bench.add_argument(
+        "--sentences", type=int, default=None, help=f"use the first N sources (--model-config: N random sources, "
+        f"default {MODEL_CONFIG_SENTENCES})"
+    )  # fmt: skip
+    bench.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=[1, 16], help="those larger than the sentences are skipped"
+    )
+    bench.add_argument(
+        "--modes", nargs="+", default=None, choices=MODE_NAMES, help="default: " + " ".join(DEFAULT_MODES)
+    )
+    bench.add_argument(
+        "--fast-path",
+        action="store_true",
+        help="the CPU fast path step by step: " + ", then ".join(FAST_PATH_MODES) + " (int8 needs a CPU)",
+    )
+    bench.add_argument(
+        "--max-new-tokens", type=int, default=None, help=f"default 128 (--model-config: {MODEL_CONFIG_MAX_NEW_TOKENS})"
+    )
+    bench.add_argument("--iad-max-draft-length", type=int, default=32, help="source tokens IAD drafts per step")
+    bench.add_argument(
+        "--nar-drafter",
+        default=None,
+        help=f"non-autoregressive drafter for the gad modes (default: <model>/{NAR_DRAFTER_SUBDIR} if present)",
+    )
+    bench.add_argument("--gad-block-size", type=int, default=None, help="tokens per GAD step (default: trained)")
+    bench.add_argument("--gad-top-beta", type=int, default=3, help="GAD++ top-beta")
+    bench.add_argument("--gad-tolerance", type=float, default=1.0, help="GAD++ log-likelihood tolerance tau")
+    bench.add_argument(
+        "--oracle-block-sizes",
+        "--oracle-block-size",
+        dest="oracle_block_sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="block sizes k of the oracle mode (drafts = greedy's own output), one row oracle_k{k} each; default "
+        f"{' '.join(map(str, DEFAULT_ORACLE_BLOCK_SIZES))} (--model-config: "
+        f"{' '.join(map(str, MODEL_CONFIG_ORACLE_BLOCK_SIZES))})",
+    )
+    bench.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 = Devlin's words/s)")
+    bench.add_argument("--out", default="bench", help="directory for bench.json, bench.md, bench.png")
+    bench.add_argument("--quick", action="store_true", help="at most 16 sentences: a run of about a minute")
+    bench.add_argument("--cost-curve", action="store_true", help="also time one decoder call for 1..32 tokens")
+    bench.add_argument(
+        "--cost-curve-max-tokens", type=int, default=None, help="cost curve up to N tokens (default 32; "
+        "--model-config: the largest oracle block size)"
+    )  # fmt: skip
+
+
+def _check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if any(k < 2 for k in args.oracle_block_sizes or ()):
+        parser.error("--oracle-block-sizes must be >= 2")
+    if args.tiny_model_config and not args.model_config:
+        parser.error("--tiny-model-config needs --model-config")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `hf-blockwise` console script: `demo` and `bench`."""
+    parser = argparse.ArgumentParser(prog="hf-blockwise", description="Exact blockwise parallel decoding.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="translate a few sentences, greedy and blockwise side by side")
+    demo.add_argument("--model", default=SHIPPED_MODEL, help="directory with base model, heads and tokenizer")
+    demo.add_argument("--repeats", type=int, default=5, help="timing runs per sentence (median is reported)")
+    demo.add_argument("--max-new-tokens", type=int, default=128)
+    demo.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    demo.add_argument("--int8", action="store_true", help="quantize the base to int8 first (CPU; both modes)")
+    demo.add_argument("sentences", nargs="*", help="English sentences to translate (default: built-in examples)")
+    bench = commands.add_parser("bench", help="every decoding mode side by side, measured against greedy")
+    _add_bench_arguments(bench)
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        _check_bench_arguments(bench, args)
+        return run_bench_command(args)
+    if args.command == "demo":
+        sentences = args.sentences or DEMO_SENTENCES
+        return run_demo(args.model, sentences, args.repeats, args.threads, args.max_new_tokens, args.int8)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,117 @@
+"""What both trainers share: the padding collator, per-step metrics, the evaluation decode, argument checks."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Seq2SeqTrainingArguments
+
+from hf_blockwise.tools.harness import measure
+
+
+def check_eval_decoding(args: Seq2SeqTrainingArguments) -> None:
+    """Validates the `eval_*` decoding fields shared by this package's training arguments."""
+    for name in ("eval_max_new_tokens", "eval_decoding_batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(args, name)}")
+    if args.eval_decoding_samples is not None and args.eval_decoding_samples < 1:
+        raise ValueError(f"eval_decoding_samples must be >= 1 or None, got {args.eval_decoding_samples}")
+
+
+class Seq2SeqPadCollator:
+    """Pads `input_ids`/`attention_mask` with the pad id and `labels` with -100; the base model derives its
+    decoder inputs from the labels itself."""
+
+    def __init__(self, pad_token_id: int) -> None:
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        def pad(key: str, value: int) -> torch.Tensor:
+            rows = [list(feature[key]) for feature in features]
+            width = max(len(row) for row in rows)
+            return torch.tensor([row + [value] * (width - len(row)) for row in rows], dtype=torch.long)
+
+        batch = {"input_ids": pad("input_ids", self.pad_token_id), "labels": pad("labels", -100)}
+        batch["attention_mask"] = (
+            pad("attention_mask", 0) if "attention_mask" in features[0] else (batch["input_ids"] != self.pad_token_id)
+        ).long()
+        return batch
+
+
+class StepMetrics:
+    """Metrics recorded at each training or evaluation step, averaged into the next `Trainer.log` call.
+
+    A log call that carries `loss` is a training log and takes the training means; any other is an evaluation
+    log and takes the evaluation means under an `eval_` prefix. Both trainers keep one.
+    """
+
+    def __init__(self) -> None:
+        self._values: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+
+    def add(self, split: str, key: str, value: float) -> None:
+        self._values[split][key].append(value)
+
+    def pop_means(self, logs: dict[str, float]) -> dict[str, float]:
+        """The means for the kind of log `logs` is, with their log names; forgets them."""
+        split = "train" if "loss" in logs else "eval"
+        prefix = "" if split == "train" else "eval_"
+        means = {f"{prefix}{key}": sum(values) / len(values) for key, values in self._values[split].items() if values}
+        self._values[split].clear()
+        return means
+
+
+def decode_for_evaluation(
+    model: nn.Module,
+    dataset,
+    pad_token_id: int,
+    batch_size: int,
+    max_new_tokens: int,
+    limit: int | None = None,
+    tokenizer: Any = None,
+    description: str = "blockwise eval",
+    show_progress: bool = True,
+    **generate_kwargs: Any,
+) -> dict[str, float]:
+    """Decodes (the first `limit` examples of) a tokenized dataset blockwise; mean accepted block, and BLEU
+    against the labels when a tokenizer is given. The evaluation both trainers run, through the measurement
+    harness ([`harness.measure`]: one mode, no reference, no warm-up).
+
+    Args:
+        model: what `generate` is called on (a `BlockwiseHeadsModel`, or a verifier given `custom_generate`
+            and `assistant` in `generate_kwargs`); it must return `decoding_stats`.
+        dataset: rows with `input_ids` (and `attention_mask`, `labels`).
+
+    Returns:
+        `{"mean_accepted": ...}`, plus `"bleu"` (sacreBLEU, detokenized) when `tokenizer` is given.
+    """
+    limit = len(dataset) if limit is None else min(limit, len(dataset))
+    examples = [dataset[index] for index in range(limit)]
+    collator = Seq2SeqPadCollator(pad_token_id)
+    device = next(model.parameters()).device
+    batches, labels = [], []
+    for start in range(0, len(examples), batch_size):
+        batch = collator(examples[start : start + batch_size])
+        batches.append({key: batch[key].to(device) for key in ("input_ids", "attention_mask")})
+        labels.append(batch["labels"].masked_fill(batch["labels"] == -100, pad_token_id))
+    references = None
+    if tokenizer is not None:
+        references = [text for rows in labels for text in tokenizer.batch_decode(rows, skip_special_tokens=True)]
+    runners = {
+        "blockwise": lambda batch, _: model.generate(
+            **batch, max_new_tokens=max_new_tokens, return_dict_in_generate=True, **generate_kwargs
+        )
+    }
+    result = measure(
+        runners, batches, pad_token_id=pad_token_id, tokenizer=tokenizer, references=references, warmup=False,
+        progress=show_progress, description=description,
+    )["blockwise"]  # fmt: skip
+    if not result.accepted_steps:
+        raise ValueError("decode_for_evaluation needs a generate that returns decoding_stats (blockwise decoding)")
+    results = {"mean_accepted": result.mean_accepted}
+    if result.bleu is not None:
+        results["bleu"] = result.bleu
+    return results
