@@ -22,6 +22,14 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.generation import GenerationConfig, GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.logits_process import (
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    MinLengthLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+)
 from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
     MaxLengthCriteria,
@@ -625,3 +633,33 @@ def expert_capacity_limit(model: nn.Module) -> tuple[int, str] | None:
     if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity > 0:
         return capacity, f"its experts drop tokens beyond expert_capacity={capacity} per sequence and forward"
     return None
+
+
+def processor_ignores_prefix(processor: Any) -> bool:
+    """Whether a logits processor's output depends on the scores only (never on `input_ids` or its length).
+
+    Known from transformers' own processors: `suppress_tokens`, and sequence biases / `bad_words_ids` made of
+    single tokens only (a constant bias). Any other processor is taken to depend on the prefix.
+    """
+    if isinstance(processor, SuppressTokensLogitsProcessor):
+        return True
+    if isinstance(processor, SequenceBiasLogitsProcessor):  # NoBadWordsLogitsProcessor included
+        return all(len(sequence) == 1 for sequence in processor.sequence_bias)
+    return False
+
+
+def processor_acts_at(processor: Any, length: int) -> bool:
+    """Whether a logits processor may change the scores when the prefix has `length` tokens.
+
+    `False` only where transformers' processor is known to return its input unchanged at that length (forced
+    BOS/EOS, minimum length, begin-suppression); any other processor is taken to act everywhere.
+    """
+    if isinstance(processor, ForcedEOSTokenLogitsProcessor):
+        return length == processor.max_length - 1
+    if isinstance(processor, ForcedBOSTokenLogitsProcessor):
+        return length == 1
+    if isinstance(processor, MinLengthLogitsProcessor):
+        return length < processor.min_length
+    if isinstance(processor, SuppressTokensAtBeginLogitsProcessor):
+        return length == processor.begin_index
+    return True

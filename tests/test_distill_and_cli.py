@@ -93,15 +93,18 @@ def test_bench_compares_every_mode_and_writes_reports(tmp_path, capsys) -> None:
     report = json.loads((out / "bench.json").read_text())
     rows = {(row["mode"], row["batch_size"]): row for row in report["results"]}
     expected_at_one = {"greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_top2", "iad", "gad", "gad_pp"}
+    expected_at_one |= {"loop", "oracle_k4"}  # the loop alone, and drafting greedy's own output
     assert {mode for mode, batch in rows if batch == 1} == expected_at_one
     assert {mode for mode, batch in rows if batch == 3} == expected_at_one - {"prompt_lookup", "assisted"}
     for (mode, _), row in rows.items():
         assert row["sentences"] == 5 and row["speedup"] > 0 and row["bleu"] is not None
-        if mode in ("greedy", "heads", "iad", "prompt_lookup", "assisted", "gad"):  # lossless modes
+        if mode in ("greedy", "heads", "iad", "prompt_lookup", "assisted", "gad", "loop", "oracle_k4"):  # lossless
             assert row["identical_rate"] == 1.0, mode
     assert rows[("greedy", 1)]["forwards_per_token"] >= rows[("heads", 1)]["forwards_per_token"] > 0
-    assert (out / "bench.md").read_text().count("| 1 |") == 9 and (out / "bench.png").stat().st_size > 0
-    assert "speedup vs greedy" in capsys.readouterr().out
+    assert rows[("loop", 3)]["mean_accepted"] == 1.0 and rows[("oracle_k4", 3)]["mean_accepted"] > 2
+    assert (out / "bench.md").read_text().count("| 1 |") == 11 and (out / "bench.png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "speedup vs greedy" in printed and f"report written to {out}" in printed
     curve = json.loads((out / "cost_curve.json").read_text())["ms_per_call"]
     assert len(curve) == 32 and all(value > 0 for value in curve.values())
     assert rows[("heads", 1)]["speedup_ceiling"] > 0 and (out / "cost_curve.png").is_file()
@@ -109,6 +112,8 @@ def test_bench_compares_every_mode_and_writes_reports(tmp_path, capsys) -> None:
     expected = rows[("gad", 1)]["mean_accepted"] * times["1"] / times["4"]
     assert rows[("gad", 1)]["speedup_ceiling"] == pytest.approx(expected)
     assert rows[("iad", 1)]["speedup_ceiling"] is None and rows[("greedy", 1)]["speedup_ceiling"] is None
+    oracle = rows[("oracle_k4", 1)]  # feeds 4 tokens every step
+    assert oracle["speedup_ceiling"] == pytest.approx(oracle["mean_accepted"] * times["1"] / times["4"])
 
 
 def test_gad_sweep_times_every_setting_against_one_greedy_run(tmp_path) -> None:

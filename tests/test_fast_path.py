@@ -10,7 +10,14 @@ import pytest
 import torch
 from conftest import ARCHITECTURES, OracleDrafter, build_model, random_batch, word_tokenizer
 
-from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, first_divergence, frequent_tokens, quantize_dynamic_int8
+from hf_blockwise import (
+    BlockwiseConfig,
+    BlockwiseHeadsModel,
+    check_decoder,
+    first_divergence,
+    frequent_tokens,
+    quantize_dynamic_int8,
+)
 from hf_blockwise.drafters.base import DraftRequest
 from hf_blockwise.modeling.quantization import Int8Linear
 from hf_blockwise.tools.cli import main
@@ -101,6 +108,7 @@ def test_encoder_and_cross_attention_run_once_per_generate(tiny_models, architec
         if name.endswith(("encoder_attn.k_proj", "EncDecAttention.k"))
     ]
     assert len(cross_key_projections) == base.config.num_decoder_layers if architecture == "t5" else 2
+    check_decoder(base)  # the one-off capability probe runs per model, not per generate call
     calls = {"encoder": 0, "cross_keys": 0}
     hooks = [base.get_encoder().register_forward_hook(lambda *_: calls.__setitem__("encoder", calls["encoder"] + 1))]
     hooks += [

@@ -7,6 +7,7 @@ from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 
 from hf_blockwise import Drafts, ExactAcceptance, NoDrafter, TopKAcceptance
+from hf_blockwise import boundary as hf
 from hf_blockwise.boundary import StopRules
 from hf_blockwise.generation.state import DecodingSetup, DecodingState, StepFeed, Verdict
 from hf_blockwise.generation.step import advance, build_feed, decision_scores, truncate_at_stops, verify
@@ -191,3 +192,57 @@ def test_advance_crops_to_the_shortest_verified_prefix_and_drops_finished_rows()
     assert last.cache.self_attention_cache.layers[0].keys[0, 0, 0, 0].item() == 100.0  # row 1's keys kept
     assert last.output[0, :8].tolist() == [1, 2, 3, 4, 1, 2, 5, 9]  # row 0's output, at its caller index
     assert last.output_lengths[0].item() == 8
+
+
+def test_prefix_free_and_inactive_processors_skip_per_column_calls_with_the_same_scores() -> None:
+    """bad_words of single tokens are applied to all columns at once, a forced EOS only where it acts; the
+    scores equal calling the whole list once per column with that column's prefix."""
+    from transformers.generation.logits_process import (
+        ForcedEOSTokenLogitsProcessor,
+        MinLengthLogitsProcessor,
+        NoBadWordsLogitsProcessor,
+        RepetitionPenaltyLogitsProcessor,
+    )
+
+    recorder = RecordingProcessor()
+    for extra in ([], [RepetitionPenaltyLogitsProcessor(1.5)]):
+        processors = [
+            NoBadWordsLogitsProcessor([[3], [4]], eos_token_id=9),
+            MinLengthLogitsProcessor(6, eos_token_id=9),
+            ForcedEOSTokenLogitsProcessor(max_length=8, eos_token_id=9),
+            *extra,
+        ]
+        state = make_state(SEQUENCES, [4, 6], cache_length=3)
+        drafts = Drafts(tokens=torch.tensor([[1, 2, 5], [2, 5, 6]]), lengths=torch.tensor([3, 3]))
+        feed = build_feed(state, make_setup(), drafts, max_drafts=torch.tensor([3, 1]))
+        logits = torch.randn(2, 4, VOCAB)
+        scores = decision_scores(state, make_setup(processors=processors), feed, logits)
+        decision_scores(state, make_setup(processors=[*processors, recorder]), feed, logits)
+        context = torch.cat([state.sequences[:, :3], feed.tokens], dim=1)
+        expected = torch.stack(
+            [LogitsProcessorList(processors)(context[:, : 4 + column], logits[:, column]) for column in range(4)], 1
+        )
+        torch.testing.assert_close(scores[0], expected[0])
+        torch.testing.assert_close(scores[1, :2], expected[1, 2:])
+    # the recorder is not known to ignore the prefix, so it ran once per column both times
+    assert recorder.prefix_lengths == [4, 5, 6, 7] * 2
+
+
+def test_only_prefix_free_processors_need_no_per_column_call() -> None:
+    from transformers.generation.logits_process import ForcedEOSTokenLogitsProcessor, NoBadWordsLogitsProcessor
+
+    class Forbidden(LogitsProcessor):  # would fail if called per column
+        def __call__(self, input_ids, scores):
+            raise AssertionError("called per column")
+
+    forced_eos = ForcedEOSTokenLogitsProcessor(max_length=50, eos_token_id=9)  # inactive at these lengths
+    bad_words = NoBadWordsLogitsProcessor([[3]], eos_token_id=9)
+    state = make_state(SEQUENCES, [4, 6], cache_length=3)
+    drafts = Drafts(tokens=torch.tensor([[1, 2, 5], [2, 5, 6]]), lengths=torch.tensor([3, 3]))
+    feed = build_feed(state, make_setup(), drafts, max_drafts=torch.tensor([3, 1]))
+    logits = torch.randn(2, 4, VOCAB)
+    setup = make_setup(processors=[bad_words, forced_eos])
+    scores = decision_scores(state, setup, feed, logits)
+    assert torch.isinf(scores[..., 3]).all() and torch.equal(scores[0, :, 5], logits[0, :, 5])
+    assert hf.processor_acts_at(forced_eos, 49) and not hf.processor_acts_at(forced_eos, 7)
+    assert not hf.processor_ignores_prefix(Forbidden())

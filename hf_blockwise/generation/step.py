@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from transformers.generation.logits_process import LogitsProcessorList
 
 from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.base import DraftRequest, Drafts
@@ -129,7 +130,10 @@ def decision_scores(state: DecodingState, setup: DecodingSetup, feed: StepFeed, 
     """Processed scores at the columns that decide a token, per row and decision.
 
     Rows share the cache length, so column j's prefix has the same length in every row and one processor call
-    per column serves the batch, as in greedy search. Columns before the earliest decision are skipped.
+    per column serves the batch, as in greedy search. Columns before the earliest decision are skipped, and so
+    are per-column calls where every processor that reads the prefix is known to be inactive at that length
+    (a forced EOS acts at one length only): those columns get the prefix-free processors (a `bad_words_ids`
+    mask of single tokens) in one call for all of them, which is the same composition.
 
     Args:
         logits (`torch.FloatTensor` of shape `(num_rows, width, vocab_size)`).
@@ -141,17 +145,28 @@ def decision_scores(state: DecodingState, setup: DecodingSetup, feed: StepFeed, 
     width, vocab_size = logits.shape[1], logits.shape[2]
     first = state.min_pending - 1  # earliest deciding column over rows
     columns = decision_columns(feed.num_pending, width - first, width)  # (b, N)
-    if len(setup.logits_processor) == 0:
+    processors = setup.logits_processor
+    if len(processors) == 0:
         return logits.gather(1, columns[..., None].expand(-1, -1, vocab_size))
-    context = torch.cat([state.sequences[:, : state.cache_length], feed.tokens], dim=1)  # (b, L + W)
-    processed = torch.stack(
-        [
+    block = logits[:, first:]  # (b, C, V)
+    prefix_free = LogitsProcessorList([p for p in processors if hf.processor_ignores_prefix(p)])
+    if len(prefix_free) > 0:
+        flat = block.reshape(-1, vocab_size)  # (b * C, V)
+        block = prefix_free(flat.new_zeros((flat.shape[0], 1), dtype=torch.long), flat).reshape(block.shape)
+    needs_prefix = [
+        any(hf.processor_acts_at(p, state.cache_length + column + 1) for p in processors if p not in prefix_free)
+        for column in range(first, width)
+    ]
+    if any(needs_prefix):
+        context = torch.cat([state.sequences[:, : state.cache_length], feed.tokens], dim=1)  # (b, L + W)
+        processed = [
             apply_processors(state, setup, context[:, : state.cache_length + column + 1], logits[:, column])
-            for column in range(first, width)
-        ],
-        dim=1,
-    )  # (b, W - first, V)
-    return processed.gather(1, (columns - first)[..., None].expand(-1, -1, vocab_size))
+            if needed
+            else block[:, column - first]
+            for column, needed in zip(range(first, width), needs_prefix, strict=True)
+        ]
+        block = torch.stack(processed, dim=1)  # (b, C, V)
+    return block.gather(1, (columns - first)[..., None].expand(-1, -1, vocab_size))
 
 
 def verify(scores: torch.Tensor, feed: StepFeed, setup: DecodingSetup) -> tuple[torch.Tensor, torch.Tensor]:

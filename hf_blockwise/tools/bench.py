@@ -368,15 +368,15 @@ def markdown_table(results: Sequence[ModeResult], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _mode_colours(modes: Sequence[str]) -> dict[str, Any]:
-    """One distinct colour per mode: a qualitative colormap (tab10, tab20), or evenly spaced hues beyond 20."""
+def mode_colours(modes: Sequence[str]) -> dict[str, Any]:
+    """One distinct colour per mode: a qualitative colormap (tab20's ten dark colours, then its ten light ones), or
+    evenly spaced hues beyond 20."""
     import matplotlib
 
     names = list(dict.fromkeys(modes))
-    if len(names) <= 10:
-        palette = matplotlib.colormaps["tab10"].colors
-    elif len(names) <= 20:
-        palette = matplotlib.colormaps["tab20"].colors
+    if len(names) <= 20:
+        tab20 = matplotlib.colormaps["tab20"].colors
+        palette = tab20[0::2] + tab20[1::2]  # the dark ones are tab10's colours
     else:
         palette = [matplotlib.colormaps["hsv"](index / len(names)) for index in range(len(names))]
     return {name: palette[index] for index, name in enumerate(names)}
@@ -400,7 +400,7 @@ def plot(results: Sequence[ModeResult], path: str) -> bool:
         panels.append(("quality", "BLEU", lambda result: result.bleu))
     if not plotted:
         return False
-    colours = _mode_colours([result.mode for result in plotted])
+    colours = mode_colours([result.mode for result in plotted])
     markers = dict(zip(dict.fromkeys(result.batch_size for result in plotted), "osD^v<>pPX*", strict=False))
     figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels) + 1, 4), squeeze=False)
     for axis, (title, label, value) in zip(axes[0], panels, strict=True):
@@ -453,7 +453,8 @@ def decoder_cost_curve(
 ) -> list[tuple[int, float]]:
     """Median time of one cached decoder forward that feeds n = 1..`max_tokens` new tokens.
 
-    The cache first holds `prefix_length` tokens and the encoder output is computed once, as in decoding.
+    The cache first holds `prefix_length` tokens and the encoder output is computed once, as in decoding. Each
+    round times every n once (after one warm-up round), so that the widths share the machine's state.
     The curve bounds what any drafter can gain: a step that feeds k tokens and keeps a of them is at most
     `a * t(1) / t(k)` times faster than greedy (see [`speedup_ceiling`]).
 
@@ -472,20 +473,27 @@ def decoder_cost_curve(
     encoder_outputs = base.get_encoder()(**inputs)
     start = torch.full((1, 1), base.config.decoder_start_token_id, device=device)
     prefix = torch.cat([start, torch.full((1, prefix_length - 1), base.config.eos_token_id, device=device)], dim=1)
-    curve = []
-    for num_tokens in range(1, max_tokens + 1):
-        fed = torch.full((1, num_tokens), base.config.eos_token_id, device=device)
-        times = []
-        for _ in range(repeats):
-            cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
-            base(encoder_outputs=encoder_outputs, attention_mask=inputs["attention_mask"], decoder_input_ids=prefix,
-                 past_key_values=cache, use_cache=True)  # fmt: skip
-            begin = time.perf_counter()
-            base(encoder_outputs=encoder_outputs, attention_mask=inputs["attention_mask"], decoder_input_ids=fed,
-                 past_key_values=cache, use_cache=True)  # fmt: skip
-            times.append(time.perf_counter() - begin)
-        curve.append((num_tokens, statistics.median(times)))
-    return curve
+    times: dict[int, list[float]] = {num_tokens: [] for num_tokens in range(1, max_tokens + 1)}
+    for repeat in range(repeats + 1):  # widths interleaved, so that a slow spell of the machine hits them all
+        for num_tokens, timings in times.items():
+            seconds = _time_cached_forward(base, encoder_outputs, inputs["attention_mask"], prefix, num_tokens)
+            if repeat > 0:  # the first round warms up
+                timings.append(seconds)
+    return [(num_tokens, statistics.median(timings)) for num_tokens, timings in times.items()]
+
+
+def _time_cached_forward(
+    base: nn.Module, encoder_outputs: Any, attention_mask: torch.Tensor, prefix: torch.Tensor, num_tokens: int
+) -> float:
+    """Seconds of one decoder forward feeding `num_tokens` tokens (EOS ids) after `prefix` (already cached)."""
+    cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    base(encoder_outputs=encoder_outputs, attention_mask=attention_mask, decoder_input_ids=prefix,
+         past_key_values=cache, use_cache=True)  # fmt: skip
+    fed = torch.full((1, num_tokens), base.config.eos_token_id, device=prefix.device)
+    begin = time.perf_counter()
+    base(encoder_outputs=encoder_outputs, attention_mask=attention_mask, decoder_input_ids=fed,
+         past_key_values=cache, use_cache=True)  # fmt: skip
+    return time.perf_counter() - begin
 
 
 def speedup_ceiling(curve: Sequence[tuple[int, float]], mean_accepted: float, tokens_fed: int) -> float:
@@ -507,7 +515,7 @@ def plot_cost_curve(curve: Sequence[tuple[int, float]], path: str) -> None:
     time_axis.plot(tokens, [1000 * t for _, t in curve], marker="o")
     time_axis.set(xlabel="tokens fed in one decoder call", ylabel="ms per call", title="decoder cost curve")
     accepted_levels = (1.5, 2.0, 3.0, 4.0)
-    colours = _mode_colours([str(accepted) for accepted in accepted_levels])
+    colours = mode_colours([str(accepted) for accepted in accepted_levels])
     for accepted in accepted_levels:
         ceiling = [speedup_ceiling(curve, min(accepted, n), n) for n in tokens]
         ceiling_axis.plot(tokens, ceiling, label=f"mean accepted {accepted:g}", color=colours[str(accepted)])

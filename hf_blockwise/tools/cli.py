@@ -345,6 +345,8 @@ def _check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Names
         parser.error("--oracle-block-sizes must be >= 2")
     if args.tiny_model_config and not args.model_config:
         parser.error("--tiny-model-config needs --model-config")
+    if args.model_config and (args.source_file or args.reference_file or args.assistant_model or args.nar_drafter):
+        parser.error("--model-config decodes random source ids with a random model: it takes no files or drafters")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
