@@ -464,6 +464,14 @@ def _input_embeddings(module: nn.Module | None) -> nn.Module | None:
     return getattr(module, "embed_tokens", None)
 
 
+def decoder_input_embeddings(model: nn.Module) -> nn.Module:
+    """The embedding layer of the model's decoder tokens."""
+    embeddings = _input_embeddings(model.get_decoder() if hasattr(model, "get_decoder") else None)
+    if embeddings is None:
+        raise ValueError(f"Cannot find the decoder's token embeddings of {type(model).__name__}")
+    return embeddings
+
+
 def check_shared_vocabulary(model: nn.Module) -> None:
     """Raises a `ValueError` unless the model's encoder and decoder embed the same token ids the same way."""
     encoder_embeddings = _input_embeddings(model.get_encoder())

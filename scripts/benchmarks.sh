@@ -8,11 +8,18 @@ data=../shared/data
 mt=hf_blockwise/pretrained/multi30k-en-de
 gec=hf_blockwise/pretrained/gec-en
 
-# Multi30k en→de, shipped model: every mode at batch 1 and 16 (2 threads), with the decoder cost curve
-# (transformers' assisted generation drafts with the shipped GAD drafter's model, used autoregressively)
+# Multi30k en→de, shipped model: our modes at batch 1 and 16 (2 threads), with the loop alone (`loop`), the loop's
+# ceiling with perfect drafts (`oracle`, k = 4 and 8) and the decoder cost curve
 hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz \
     --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 300 --batch-sizes 1 16 --threads 2 \
-    --assistant-model $mt/nar-drafter --cost-curve --out docs/bench/multi30k
+    --modes greedy prompt_lookup heads heads_top2 gad gad_pp loop oracle --oracle-block-sizes 4 8 \
+    --cost-curve --out docs/bench/multi30k
+# beam search and transformers' assisted generation (the shipped GAD drafter's model used autoregressively)
+hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz \
+    --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 300 --batch-sizes 1 --threads 2 \
+    --modes greedy beam4 assisted --assistant-model $mt/nar-drafter --out docs/bench/multi30k-transformers
+# what ceiling a model of a given size has on this CPU (randomly initialised models of real shapes)
+python scripts/model_size_table.py --threads 2
 # the CPU fast path step by step, single thread (Devlin 2017's words/s)
 hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz \
     --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 300 --batch-sizes 1 --threads 1 \

@@ -12,8 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.generation.logits_process import LogitsProcessorList
-from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.base import Drafter, NoDrafter

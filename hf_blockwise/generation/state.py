@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.generation.logits_process import LogitsProcessorList
+from transformers import LogitsProcessorList
 
 from hf_blockwise.boundary import StopRules
 from hf_blockwise.drafters.base import Drafter

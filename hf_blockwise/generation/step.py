@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from transformers.generation.logits_process import LogitsProcessorList
 
 from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.base import DraftRequest, Drafts
@@ -149,10 +148,13 @@ def decision_scores(state: DecodingState, setup: DecodingSetup, feed: StepFeed, 
     if len(processors) == 0:
         return logits.gather(1, columns[..., None].expand(-1, -1, vocab_size))
     block = logits[:, first:]  # (b, C, V)
-    prefix_free = LogitsProcessorList([p for p in processors if hf.processor_ignores_prefix(p)])
-    if len(prefix_free) > 0:
+    prefix_free = [p for p in processors if hf.processor_ignores_prefix(p)]
+    if prefix_free:
         flat = block.reshape(-1, vocab_size)  # (b * C, V)
-        block = prefix_free(flat.new_zeros((flat.shape[0], 1), dtype=torch.long), flat).reshape(block.shape)
+        no_prefix = flat.new_zeros((flat.shape[0], 1), dtype=torch.long)
+        for processor in prefix_free:  # called directly: these known processors take no extra arguments
+            flat = processor(no_prefix, flat)
+        block = flat.reshape(block.shape)
     needs_prefix = [
         any(hf.processor_acts_at(p, state.cache_length + column + 1) for p in processors if p not in prefix_free)
         for column in range(first, width)

@@ -136,7 +136,7 @@ class BlockwiseHeadsModel(BaseModelWrapper):
         projection = base_model.get_output_embeddings().weight
         token_embedding_size = None
         if self.blockwise_config.condition_on_token:
-            token_embedding_size = base_model.get_decoder().get_input_embeddings().weight.shape[1]
+            token_embedding_size = hf.decoder_input_embeddings(base_model).weight.shape[1]
         self.heads = BlockwiseHeads(
             signature["hidden_size"],
             self.blockwise_config.head_hidden_size,
@@ -171,7 +171,7 @@ class BlockwiseHeadsModel(BaseModelWrapper):
         """
         if not self.blockwise_config.condition_on_token:
             return None
-        return self.base_model.get_decoder().get_input_embeddings()(token_ids)
+        return hf.decoder_input_embeddings(self.base_model)(token_ids)
 
     def drafter(self, block_size: int | None = None, use_shortlist: bool = True) -> Drafter:
         """The [`HeadsDrafter`] that proposes tokens with this model's heads (the first `block_size - 1`)."""

@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.input_copy import InputCopyDrafter
@@ -486,13 +485,12 @@ def _time_cached_forward(
     base: nn.Module, encoder_outputs: Any, attention_mask: torch.Tensor, prefix: torch.Tensor, num_tokens: int
 ) -> float:
     """Seconds of one decoder forward feeding `num_tokens` tokens (EOS ids) after `prefix` (already cached)."""
-    cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
-    base(encoder_outputs=encoder_outputs, attention_mask=attention_mask, decoder_input_ids=prefix,
-         past_key_values=cache, use_cache=True)  # fmt: skip
+    cache = hf.new_decoder_cache()
+    forward_kwargs = {"encoder_outputs": encoder_outputs, "attention_mask": attention_mask}
+    hf.decoder_forward(base, prefix, cache, forward_kwargs)
     fed = torch.full((1, num_tokens), base.config.eos_token_id, device=prefix.device)
     begin = time.perf_counter()
-    base(encoder_outputs=encoder_outputs, attention_mask=attention_mask, decoder_input_ids=fed,
-         past_key_values=cache, use_cache=True)  # fmt: skip
+    hf.decoder_forward(base, fed, cache, forward_kwargs)
     return time.perf_counter() - begin
 
 
