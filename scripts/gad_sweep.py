@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import HfArgumentParser
 from transformers.utils import logging as transformers_logging
 
 from hf_blockwise.serialization import atomic_write, atomic_write_text
+from hf_blockwise.tools.arguments import parse_dataclass_args
 from hf_blockwise.tools.bench import ModeResult, read_lines, run_bench
 from hf_blockwise.tools.cli import load_for_bench
 
@@ -54,14 +54,7 @@ class GADSweepArguments:
 
 def parse_args(argv: Sequence[str] | None = None) -> GADSweepArguments:
     """Parse the command line (``sys.argv[1:]`` when ``argv`` is None) into `GADSweepArguments`."""
-    parser = HfArgumentParser(GADSweepArguments, description=__doc__.split("\n", 1)[0])
-    # no ``<script>.args`` file is read: the flags are exactly the command line (or ``argv``)
-    args, unknown = parser.parse_args_into_dataclasses(
-        args=argv, return_remaining_strings=True, look_for_args_file=False
-    )
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    return args
+    return parse_dataclass_args(GADSweepArguments, argv, __doc__.split("\n", 1)[0])
 
 
 def variants(setup, block_sizes, pp_block_size, betas, taus, fixed_beta, fixed_tau) -> dict:

@@ -14,9 +14,10 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, HfArgumentParser
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
+from hf_blockwise.tools.arguments import parse_dataclass_args
 from hf_blockwise.tools.cli import SHIPPED_MODEL
 
 
@@ -31,7 +32,7 @@ class FixedCostArguments:
 
 
 def main() -> None:
-    (args,) = HfArgumentParser(FixedCostArguments).parse_args_into_dataclasses(look_for_args_file=False)
+    args = parse_dataclass_args(FixedCostArguments, None, __doc__.split("\n", 1)[0])
     transformers_logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.model)

@@ -12,10 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoTokenizer, HfArgumentParser
+from transformers import AutoTokenizer
 from transformers.utils import logging
 
 from hf_blockwise import BlockwiseHeadsModel, first_divergence, quantize_dynamic_int8
+from hf_blockwise.tools.arguments import parse_dataclass_args
 from hf_blockwise.tools.cli import SHIPPED_MODEL
 
 
@@ -34,14 +35,7 @@ class Int8DivergencesArguments:
 
 def parse_args(argv: Sequence[str] | None = None) -> Int8DivergencesArguments:
     """Parse the command line (``sys.argv[1:]`` when ``argv`` is None) into `Int8DivergencesArguments`."""
-    parser = HfArgumentParser(Int8DivergencesArguments, description=__doc__.split("\n", 1)[0])
-    # no ``<script>.args`` file is read: the flags are exactly the command line (or ``argv``)
-    args, unknown = parser.parse_args_into_dataclasses(
-        args=argv, return_remaining_strings=True, look_for_args_file=False
-    )
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    return args
+    return parse_dataclass_args(Int8DivergencesArguments, argv, __doc__.split("\n", 1)[0])
 
 
 def main(argv: Sequence[str] | None = None) -> None:

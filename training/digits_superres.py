@@ -32,10 +32,11 @@ from dataclasses import dataclass, field
 
 import torch
 from datasets import Dataset
-from transformers import HfArgumentParser, MarianConfig, MarianMTModel
+from transformers import MarianConfig, MarianMTModel
 
 from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, DistanceAcceptance, ExactAcceptance
 from hf_blockwise.serialization import atomic_write_text
+from hf_blockwise.tools.arguments import parse_dataclass_args
 from hf_blockwise.training.blockwise_config import BlockwiseTrainingArguments
 from hf_blockwise.training.blockwise_trainer import BlockwiseTrainer
 
@@ -60,14 +61,7 @@ class DigitsSuperresArguments:
 
 def parse_args(argv: Sequence[str] | None = None) -> DigitsSuperresArguments:
     """Parse the command line (``sys.argv[1:]`` when ``argv`` is None) into `DigitsSuperresArguments`."""
-    parser = HfArgumentParser(DigitsSuperresArguments, description=__doc__.split("\n", 1)[0])
-    # no ``<script>.args`` file is read: the flags are exactly the command line (or ``argv``)
-    args, unknown = parser.parse_args_into_dataclasses(
-        args=argv, return_remaining_strings=True, look_for_args_file=False
-    )
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    return args
+    return parse_dataclass_args(DigitsSuperresArguments, argv, __doc__.split("\n", 1)[0])
 
 
 def digit_pairs() -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,11 +39,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, HfArgumentParser
+from transformers import AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from hf_blockwise import BlockwiseHeadsModel
 from hf_blockwise.serialization import atomic_write_text
+from hf_blockwise.tools.arguments import parse_dataclass_args
 from hf_blockwise.tools.evaluation import compare_to_greedy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -93,14 +94,7 @@ class SweepTable1Arguments:
 
 def parse_args(argv: Sequence[str] | None = None) -> SweepTable1Arguments:
     """Parse the command line (``sys.argv[1:]`` when ``argv`` is None) into `SweepTable1Arguments`."""
-    parser = HfArgumentParser(SweepTable1Arguments, description=__doc__.split("\n", 1)[0])
-    # no ``<script>.args`` file is read: the flags are exactly the command line (or ``argv``)
-    args, unknown = parser.parse_args_into_dataclasses(
-        args=argv, return_remaining_strings=True, look_for_args_file=False
-    )
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    return args
+    return parse_dataclass_args(SweepTable1Arguments, argv, __doc__.split("\n", 1)[0])
 
 
 def train_setting(args: SweepTable1Arguments, setting: str) -> tuple[BlockwiseHeadsModel, object, dict, float]:

@@ -54,10 +54,11 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from tqdm.auto import tqdm
-from transformers import GenerationConfig, HfArgumentParser, MarianConfig, MarianMTModel, PreTrainedTokenizerFast
+from transformers import GenerationConfig, MarianConfig, MarianMTModel, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
 from hf_blockwise.serialization import atomic_write, atomic_write_text
+from hf_blockwise.tools.arguments import parse_dataclass_args
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_ROOT = REPO_ROOT.parent / "shared" / "data"
@@ -126,14 +127,7 @@ class TrainBaseArguments:
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainBaseArguments:
     """Parse the command line (``sys.argv[1:]`` when ``argv`` is None) into `TrainBaseArguments`."""
-    parser = HfArgumentParser(TrainBaseArguments, description=__doc__.split("\n", 1)[0])
-    # no ``<script>.args`` file is read: the flags are exactly the command line
-    args, unknown = parser.parse_args_into_dataclasses(
-        args=argv, return_remaining_strings=True, look_for_args_file=False
-    )
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    return args
+    return parse_dataclass_args(TrainBaseArguments, argv, __doc__.split("\n", 1)[0])
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -40,11 +40,12 @@ from typing import Literal
 import torch
 from accelerate import PartialState
 from datasets import Dataset
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, HfArgumentParser
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, frequent_tokens
 from hf_blockwise.serialization import atomic_write_text
+from hf_blockwise.tools.arguments import parse_dataclass_args
 from hf_blockwise.tools.evaluation import compare_to_greedy
 from hf_blockwise.training.blockwise_config import BlockwiseTrainingArguments
 from hf_blockwise.training.blockwise_trainer import BlockwiseTrainer
@@ -99,14 +100,7 @@ class TrainHeadsArguments:
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainHeadsArguments:
     """Parse the command line (``sys.argv[1:]`` when ``argv`` is None) into `TrainHeadsArguments`."""
-    parser = HfArgumentParser(TrainHeadsArguments, description=__doc__.split("\n", 1)[0])
-    # no ``<script>.args`` file is read: the flags are exactly the command line (or ``argv``)
-    args, unknown = parser.parse_args_into_dataclasses(
-        args=argv, return_remaining_strings=True, look_for_args_file=False
-    )
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    return args
+    return parse_dataclass_args(TrainHeadsArguments, argv, __doc__.split("\n", 1)[0])
 
 
 def encode(tokenizer, sources: Sequence[str], targets: Sequence[str]) -> Dataset:

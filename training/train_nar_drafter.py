@@ -38,11 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, HfArgumentParser, TrainerCallback
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_blockwise.drafters.nar import NonAutoregressiveDrafter
 from hf_blockwise.serialization import atomic_write_text
+from hf_blockwise.tools.arguments import parse_dataclass_args
 from hf_blockwise.tools.evaluation import compare_to_greedy
 from hf_blockwise.training.distill import distill_texts
 from hf_blockwise.training.nar_config import NARDrafterTrainingArguments
@@ -82,14 +83,7 @@ class TrainNARDrafterArguments:
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainNARDrafterArguments:
     """Parse the command line (``sys.argv[1:]`` when ``argv`` is None) into `TrainNARDrafterArguments`."""
-    parser = HfArgumentParser(TrainNARDrafterArguments, description=__doc__.split("\n", 1)[0])
-    # no ``<script>.args`` file is read: the flags are exactly the command line (or ``argv``)
-    args, unknown = parser.parse_args_into_dataclasses(
-        args=argv, return_remaining_strings=True, look_for_args_file=False
-    )
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    return args
+    return parse_dataclass_args(TrainNARDrafterArguments, argv, __doc__.split("\n", 1)[0])
 
 
 # training seconds so far, stored in each checkpoint so a resumed run reports its whole training time
