@@ -198,13 +198,12 @@ def crop_cache(cache: Cache, length: int) -> None:
         cache.crop(length - current)
 
 
-def new_decoder_cache(model: nn.Module | None = None) -> EncoderDecoderCache:
+def new_decoder_cache() -> EncoderDecoderCache:
     """An empty dynamic encoder-decoder cache whose self-attention layers can all be cropped.
 
     Built without the model's config on purpose: with one, transformers gives sliding-window layers
     (T5Gemma) a rolling buffer that cannot be cropped back once it is full. Plain layers keep every
     position; the model's attention mask still applies the sliding window, so the logits are the same.
-    `model` is accepted for call sites that build a cache for a given model; the layers need nothing of it.
     """
     return EncoderDecoderCache(DynamicCache(), DynamicCache())
 
@@ -594,7 +593,8 @@ def check_output_projection(model: nn.Module) -> None:
     must be the decoder states, and projecting them (plus any logit bias) must give the model's own choices.
     """
     projection = model.get_output_embeddings()
-    inputs = probe_inputs(model, 2)
+    with torch.no_grad():
+        inputs = probe_inputs(model, 2)
     problem = None
     if projection is None or getattr(projection, "weight", None) is None:
         problem = f"get_output_embeddings() returns {type(projection).__name__}"

@@ -150,3 +150,17 @@ def test_mixture_of_experts_that_drop_tokens_are_refused_beyond_their_capacity()
         moe.generate(
             **moe_batch, custom_generate=blockwise_generate, assistant=OracleDrafter(moe_greedy, 2), max_new_tokens=4
         )
+
+
+def test_the_probe_runs_in_eval_mode_and_leaves_the_training_flag_alone() -> None:
+    """A model handed back by a Trainer may be in train mode: dropout must not fail the probe for good."""
+    config = ALL_ARCHITECTURES["bart"]().config  # dropout 0 in the zoo; give it some
+    config.dropout = 0.5
+    base = type(ALL_ARCHITECTURES["bart"]())(config)
+    batch = make_batch(base, 1, seed=0)
+    decoder_input_ids = torch.tensor([[2, 5, 6]])
+    base.train()
+    first, second = (base(**batch, decoder_input_ids=decoder_input_ids).logits for _ in range(2))
+    assert not torch.equal(first, second)  # dropout is active in train mode
+    assert not check_decoder(base).positions_count_non_pad
+    assert base.training

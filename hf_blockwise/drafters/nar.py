@@ -254,7 +254,7 @@ class NonAutoregressiveDrafter(Drafter):
             encoder_outputs = self.model.get_encoder()(
                 input_ids=encoder_input_ids, attention_mask=encoder_attention_mask, return_dict=True
             )
-        cache = hf.new_decoder_cache(self.model) if self.use_cache else None
+        cache = hf.new_decoder_cache() if self.use_cache else None
         return NARDraftState(encoder_outputs=encoder_outputs, attention_mask=encoder_attention_mask, cache=cache)
 
     def select_rows(self, drafter_state: Any, rows: torch.Tensor) -> Any:

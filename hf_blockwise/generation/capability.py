@@ -88,35 +88,45 @@ def _close(reference: torch.Tensor, other: torch.Tensor) -> bool:
 
 
 def _probe(model: nn.Module) -> DecoderCapability:
+    # in eval mode: dropout would make the two ways of feeding differ, and the verdict is kept for the model
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return _probe_in_eval_mode(model)
+    finally:
+        model.train(was_training)
+
+
+def _probe_in_eval_mode(model: nn.Module) -> DecoderCapability:
     inputs = hf.probe_inputs(model, _PROBE_LENGTH)  # encoder inputs and decoder tokens, batch of 2
-    with torch.no_grad():
-        try:
-            plain = _compare_feeds(model, inputs, inputs.decoder_tokens)
-        except (
-            AssertionError,
-            RuntimeError,
-            ValueError,
-            IndexError,
-            TypeError,
-            AttributeError,
-            NotImplementedError,
-        ) as error:
-            raise _refuse(
-                model, f"its decoder fails when fed several tokens with a non-empty cache ({type(error).__name__}: "
-                f"{str(error).splitlines()[0] if str(error) else ''})"
-            ) from error  # fmt: skip
-        if plain == "multi":
-            raise _refuse(
-                model, "feeding several tokens in one cached pass gives other logits than feeding them one at a "
-                "time (its decoder builds no causal mask with a cache)"
-            )  # fmt: skip
-        if plain == "crop":
-            raise _refuse(model, "its KV cache cannot be cropped back to a shorter prefix exactly")
-        if inputs.pad_token_id is None:
-            return DecoderCapability(positions_count_non_pad=False)
-        with_pad = inputs.decoder_tokens.clone()
-        with_pad[:, 2] = inputs.pad_token_id
-        return DecoderCapability(positions_count_non_pad=_compare_feeds(model, inputs, with_pad) is not None)
+    try:
+        plain = _compare_feeds(model, inputs, inputs.decoder_tokens)
+    except (
+        AssertionError,
+        RuntimeError,
+        ValueError,
+        IndexError,
+        TypeError,
+        AttributeError,
+        NotImplementedError,
+    ) as error:
+        raise _refuse(
+            model, f"its decoder fails when fed several tokens with a non-empty cache ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''})"
+        ) from error  # fmt: skip
+    if plain == "multi":
+        raise _refuse(
+            model, "feeding several tokens in one cached pass gives other logits than feeding them one at a "
+            "time (e.g. no causal mask over the fed tokens once the cache is non-empty)"
+        )  # fmt: skip
+    if plain == "crop":
+        raise _refuse(model, "its KV cache cannot be cropped back to a shorter prefix exactly")
+    if inputs.pad_token_id is None:
+        return DecoderCapability(positions_count_non_pad=False)
+    with_pad = inputs.decoder_tokens.clone()
+    with_pad[:, 2] = inputs.pad_token_id
+    return DecoderCapability(positions_count_non_pad=_compare_feeds(model, inputs, with_pad) is not None)
 
 
 def _compare_feeds(model: nn.Module, inputs: hf.ProbeInputs, tokens: torch.Tensor) -> str | None:

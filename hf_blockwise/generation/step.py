@@ -7,8 +7,8 @@
 Batching. transformers' seq2seq decoders take positions from the cache length, one per batch, so every row
 keeps its cached tokens at their true positions 0..L-1 with the *same* L. After a step the cache is cropped
 to L = the shortest verified prefix among rows; a row that is further ahead keeps its verified but uncached
-tokens as "pending" and feeds them first in the next step, before its drafts. A step feeds at most
-`block_size` tokens per row beyond its pending ones, so rows ahead draft less, the gap between rows stays
+tokens as "pending" and feeds them first in the next step, before its drafts. A row feeds its pending
+tokens and then at most `block_size - pending` drafts, so rows ahead draft less, the gap between rows stays
 bounded and every row gains at least one token per step. Filler sits after each row's real tokens, where
 causal attention hides it, so no decoder attention mask is needed. Rows that finish leave the state (and
 the cache) at the end of the step, so they cost nothing afterwards.
