@@ -10,7 +10,14 @@ from hf_blockwise import Drafts, ExactAcceptance, NoDrafter, TopKAcceptance
 from hf_blockwise import boundary as hf
 from hf_blockwise.boundary import StopRules
 from hf_blockwise.generation.state import DecodingSetup, DecodingState, StepFeed, Verdict
-from hf_blockwise.generation.step import advance, build_feed, decision_scores, truncate_at_stops, verify
+from hf_blockwise.generation.step import (
+    advance,
+    build_feed,
+    decision_columns,
+    decision_scores,
+    truncate_at_stops,
+    verify,
+)
 
 FILLER = 0
 VOCAB = 10
@@ -108,7 +115,8 @@ def test_verify_keeps_the_matching_prefix_then_the_models_own_token() -> None:
     scores = one_hot_scores([[1, 2, 5, 6], [4, 0, 0, 0]])
     for rule in (ExactAcceptance(), TopKAcceptance(top_k=1)):
         setup = DecodingSetup(**{**make_setup().__dict__, "acceptance": rule})
-        new_tokens, num_accepted = verify(scores, feed, setup)
+        columns = decision_columns(make_state(SEQUENCES, [4, 6], cache_length=3), feed)
+        new_tokens, num_accepted = verify(scores, feed, setup, columns)
         assert num_accepted.tolist() == [2, 0]
         assert new_tokens[0, :3].tolist() == [1, 2, 5]
         assert new_tokens[1, 0].item() == 4
@@ -141,7 +149,7 @@ def test_processors_run_once_per_deciding_column_with_the_prefix_greedy_would_se
     )
     recorder = RecordingProcessor()
     logits = torch.randn(2, 4, VOCAB)
-    scores = decision_scores(state, make_setup(processors=[recorder]), feed, logits)
+    scores = decision_scores(state, make_setup(processors=[recorder]), feed, logits, decision_columns(state, feed))
     # columns 0..3 decide for row 0 (min pending 1): prefixes of 3 cached + 1..4 fed tokens
     assert recorder.prefix_lengths == [4, 5, 6, 7]
     assert scores.shape == (2, 4, VOCAB)
@@ -216,8 +224,10 @@ def test_prefix_free_and_inactive_processors_skip_per_column_calls_with_the_same
         drafts = Drafts(tokens=torch.tensor([[1, 2, 5], [2, 5, 6]]), lengths=torch.tensor([3, 3]))
         feed = build_feed(state, make_setup(), drafts, max_drafts=torch.tensor([3, 1]))
         logits = torch.randn(2, 4, VOCAB)
-        scores = decision_scores(state, make_setup(processors=processors), feed, logits)
-        decision_scores(state, make_setup(processors=[*processors, recorder]), feed, logits)
+        scores = decision_scores(state, make_setup(processors=processors), feed, logits, decision_columns(state, feed))
+        decision_scores(
+            state, make_setup(processors=[*processors, recorder]), feed, logits, decision_columns(state, feed)
+        )
         context = torch.cat([state.sequences[:, :3], feed.tokens], dim=1)
         expected = torch.stack(
             [LogitsProcessorList(processors)(context[:, : 4 + column], logits[:, column]) for column in range(4)], 1
@@ -242,7 +252,7 @@ def test_only_prefix_free_processors_need_no_per_column_call() -> None:
     feed = build_feed(state, make_setup(), drafts, max_drafts=torch.tensor([3, 1]))
     logits = torch.randn(2, 4, VOCAB)
     setup = make_setup(processors=[bad_words, forced_eos])
-    scores = decision_scores(state, setup, feed, logits)
+    scores = decision_scores(state, setup, feed, logits, decision_columns(state, feed))
     assert torch.isinf(scores[..., 3]).all() and torch.equal(scores[0, :, 5], logits[0, :, 5])
     assert hf.processor_acts_at(forced_eos, 49) and not hf.processor_acts_at(forced_eos, 7)
     assert not hf.processor_ignores_prefix(Forbidden())

@@ -125,7 +125,6 @@ def blockwise_generate(
         pad_cut_token_id=call.pad_token_id if capability is not None and capability.positions_count_non_pad else None,
         batch_size=input_ids.shape[0],
         streamer=call.streamer,
-        capture_states=drafter.reads_decoder_states,
     )
     state = initial_state(call, setup)
     while state.num_rows > 0:

@@ -55,7 +55,6 @@ class DecodingSetup:
             tokens, the pad id after which a row's feed must end (greedy search feeds a pad alone); else `None`.
         batch_size (`int`): rows of the caller's batch (rows leave the state as they finish).
         streamer: transformers streamer fed with row 0's new tokens, if any.
-        capture_states (`bool`): whether the drafter reads the decoder states at the output projection.
     """
 
     model: nn.Module
@@ -68,7 +67,6 @@ class DecodingSetup:
     pad_cut_token_id: int | None
     batch_size: int
     streamer: Any = None
-    capture_states: bool = False
 
 
 @dataclass(frozen=True)

@@ -100,10 +100,16 @@ def build_feed(state: DecodingState, setup: DecodingSetup, drafts: Drafts, max_d
     )
 
 
-def decision_columns(num_pending: torch.Tensor, num_decisions: int, width: int) -> torch.Tensor:
-    """Column of the feed whose output decides each row's i-th new token, shape `(num_rows, num_decisions)`."""
-    offsets = torch.arange(num_decisions, device=num_pending.device)
-    return (num_pending[:, None] - 1 + offsets).clamp(0, width - 1)
+def decision_columns(state: DecodingState, feed: StepFeed) -> torch.Tensor:
+    """Column of the feed whose output decides each row's i-th new token, shape `(num_rows, num_decisions)`.
+
+    `num_decisions = width - min_pending + 1`: the most drafts any row fed, plus its own token. Computed once
+    per step, for the scores ([`decision_scores`]) and the verification ([`verify`]).
+    """
+    width = feed.tokens.shape[1]
+    first = state.min_pending - 1  # earliest deciding column over rows
+    offsets = torch.arange(width - first, device=feed.num_pending.device)
+    return (feed.num_pending[:, None] - 1 + offsets).clamp(0, width - 1)
 
 
 def apply_processors(state: DecodingState, setup: DecodingSetup, input_ids: torch.Tensor, scores: torch.Tensor):
@@ -125,7 +131,9 @@ def apply_processors(state: DecodingState, setup: DecodingSetup, input_ids: torc
     return setup.logits_processor(full_ids, full_scores)[state.rows]
 
 
-def decision_scores(state: DecodingState, setup: DecodingSetup, feed: StepFeed, logits: torch.Tensor) -> torch.Tensor:
+def decision_scores(
+    state: DecodingState, setup: DecodingSetup, feed: StepFeed, logits: torch.Tensor, columns: torch.Tensor
+) -> torch.Tensor:
     """Processed scores at the columns that decide a token, per row and decision.
 
     Rows share the cache length, so column j's prefix has the same length in every row and one processor call
@@ -136,14 +144,13 @@ def decision_scores(state: DecodingState, setup: DecodingSetup, feed: StepFeed, 
 
     Args:
         logits (`torch.FloatTensor` of shape `(num_rows, width, vocab_size)`).
+        columns (`torch.LongTensor` of shape `(num_rows, num_decisions)`): from [`decision_columns`].
 
     Returns:
-        `torch.FloatTensor` of shape `(num_rows, num_decisions, vocab_size)`, with
-        `num_decisions = width - min_pending + 1` (a row's drafts plus its own token).
+        `torch.FloatTensor` of shape `(num_rows, num_decisions, vocab_size)`.
     """
     width, vocab_size = logits.shape[1], logits.shape[2]
     first = state.min_pending - 1  # earliest deciding column over rows
-    columns = decision_columns(feed.num_pending, width - first, width)  # (b, N)
     processors = setup.logits_processor
     if len(processors) == 0:
         return logits.gather(1, columns[..., None].expand(-1, -1, vocab_size))
@@ -171,11 +178,14 @@ def decision_scores(state: DecodingState, setup: DecodingSetup, feed: StepFeed, 
     return block.gather(1, (columns - first)[..., None].expand(-1, -1, vocab_size))
 
 
-def verify(scores: torch.Tensor, feed: StepFeed, setup: DecodingSetup) -> tuple[torch.Tensor, torch.Tensor]:
+def verify(
+    scores: torch.Tensor, feed: StepFeed, setup: DecodingSetup, columns: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Keeps each row's longest acceptable draft prefix and appends the base model's own next token.
 
     Args:
         scores (`torch.FloatTensor` of shape `(num_rows, num_decisions, vocab_size)`): from [`decision_scores`].
+        columns (`torch.LongTensor` of shape `(num_rows, num_decisions)`): from [`decision_columns`].
 
     Returns:
         new_tokens (`torch.LongTensor` of shape `(num_rows, num_decisions)`): accepted drafts, then the base
@@ -184,7 +194,6 @@ def verify(scores: torch.Tensor, feed: StepFeed, setup: DecodingSetup) -> tuple[
     """
     num_decisions, width = scores.shape[1], feed.tokens.shape[1]
     num_drafts = num_decisions - 1
-    columns = decision_columns(feed.num_pending, num_decisions, width)  # (b, N)
     greedy_tokens = scores.argmax(dim=-1)  # (b, N)
     # the draft judged at decision i sits in the feed right after decision column i
     draft_tokens = feed.tokens.gather(1, (columns + 1).clamp(max=width - 1))  # (b, N)
@@ -355,11 +364,13 @@ def decode_step(state: DecodingState, setup: DecodingSetup) -> DecodingState:
     drafts = setup.drafter.get_candidates(request)
     check_drafts(drafts, state.num_rows)
     feed = build_feed(state, setup, drafts, request.max_drafts)
+    capture = setup.drafter.reads_decoder_states
     logits, states = hf.decoder_forward(
-        setup.model, feed.tokens, state.cache, state.forward_kwargs, capture_states=setup.capture_states
+        setup.model, feed.tokens, state.cache, state.forward_kwargs, capture_states=capture
     )  # (b, W, V), (b, W, d) or None
-    scores = decision_scores(state, setup, feed, logits.float())  # (b, N, V)
-    new_tokens, num_accepted = verify(scores, feed, setup)
+    columns = decision_columns(state, feed)  # (b, N)
+    scores = decision_scores(state, setup, feed, logits.float(), columns)  # (b, N, V)
+    new_tokens, num_accepted = verify(scores, feed, setup, columns)
     setup.drafter.update_candidate_strategy(request, num_accepted)
     num_new, stopped = truncate_at_stops(state, setup, new_tokens, (num_accepted + 1) * feed.deciding)
     if setup.streamer is not None and int(num_new[0]) > 0:  # batch size 1 only
