@@ -1,6 +1,8 @@
 """hf_blockwise: exact blockwise parallel decoding for Hugging Face seq2seq models."""
 
-from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts, NoDrafter
+from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts, NoDrafter, VerifiedStates
+from hf_blockwise.drafters.composite import CompositeDrafter
+from hf_blockwise.drafters.feature import FeatureDrafter
 from hf_blockwise.drafters.heads import HeadsDrafter
 from hf_blockwise.drafters.input_copy import InputCopyDrafter
 from hf_blockwise.drafters.nar import NARDrafterConfig, NonAutoregressiveDrafter
@@ -18,8 +20,9 @@ from hf_blockwise.generation.capability import UnsupportedModelError, check_deco
 from hf_blockwise.generation.diagnostics import Divergence, first_divergence
 from hf_blockwise.generation.loop import blockwise_generate
 from hf_blockwise.generation.state import DecodingStats
-from hf_blockwise.modeling.config import BlockwiseConfig
-from hf_blockwise.modeling.heads import BlockwiseHeads
+from hf_blockwise.modeling.config import BlockwiseConfig, FeatureDrafterConfig
+from hf_blockwise.modeling.feature_model import FeatureDrafterModel
+from hf_blockwise.modeling.heads import BlockwiseHeads, SequentialHeads
 from hf_blockwise.modeling.model import BlockwiseHeadsModel, BlockwiseHeadsOutput
 from hf_blockwise.modeling.quantization import quantize_dynamic_int8
 from hf_blockwise.modeling.shortlist import frequent_tokens
@@ -34,6 +37,7 @@ __all__ = [
     "BlockwiseHeadsModel",
     "BlockwiseHeadsOutput",
     "Comparison",
+    "CompositeDrafter",
     "DecodingStats",
     "DistanceAcceptance",
     "Divergence",
@@ -41,6 +45,9 @@ __all__ = [
     "Drafter",
     "Drafts",
     "ExactAcceptance",
+    "FeatureDrafter",
+    "FeatureDrafterConfig",
+    "FeatureDrafterModel",
     "GADPlusPlusAcceptance",
     "HeadsDrafter",
     "InputCopyDrafter",
@@ -49,8 +56,10 @@ __all__ = [
     "NoDrafter",
     "NonAutoregressiveDrafter",
     "ReferenceDrafter",
+    "SequentialHeads",
     "TopKAcceptance",
     "UnsupportedModelError",
+    "VerifiedStates",
     "accepted_lengths",
     "blockwise_generate",
     "check_decoder",

@@ -10,6 +10,7 @@ range below (`pyproject.toml`): when transformers changes, this is the one file 
 from __future__ import annotations
 
 import inspect
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.generation import GenerationConfig, GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
@@ -39,6 +40,8 @@ from transformers.generation.stopping_criteria import (
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateEncoderDecoderOutput
 from transformers.utils import ModelOutput, cached_file
+
+from hf_blockwise.serialization import atomic_write_text
 
 TESTED_TRANSFORMERS_RANGE = ">=5.23,<5.24"
 
@@ -287,6 +290,45 @@ _GENERATE_ONLY_KWARGS = {"use_cache", "past_key_values", "logits_to_keep", "outp
 def forward_kwargs(model_kwargs: dict[str, Any]) -> dict[str, Any]:
     """The model kwargs of `generate` that every decoder forward receives unchanged (encoder outputs, mask)."""
     return {key: value for key, value in model_kwargs.items() if key not in _GENERATE_ONLY_KWARGS}
+
+
+def save_shipped_model(model: PreTrainedModel, directory: str | os.PathLike) -> None:
+    """Saves a model to ship in the repository: fp16 weights (half the size), a config that makes plain
+    `from_pretrained` load it as float32 (fp16 is slow and erratic on CPUs), and a generation config that limits
+    new tokens rather than the total length, so that `generate(max_new_tokens=...)` warns about nothing."""
+    model.to(torch.float16).save_pretrained(directory)
+    model.to(torch.float32)
+    config_path = os.path.join(directory, "config.json")
+    with open(config_path, encoding="utf-8") as handle:
+        config = json.load(handle)
+    config["dtype"] = "float32"
+    atomic_write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    generation_path = os.path.join(directory, "generation_config.json")
+    if os.path.isfile(generation_path):
+        with open(generation_path, encoding="utf-8") as handle:
+            generation = json.load(handle)
+        if "max_length" in generation:
+            generation["max_new_tokens"] = generation.pop("max_length")
+        atomic_write_text(generation_path, json.dumps(generation, indent=2, sort_keys=True) + "\n")
+
+
+def encoder_hidden_states(kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The encoder output among a decoder forward's kwargs (computed once per `generate` call), if any."""
+    outputs = kwargs.get("encoder_outputs")
+    if outputs is None:
+        return None
+    return outputs[0] if isinstance(outputs, (tuple, list)) else outputs.last_hidden_state
+
+
+def encoder_hidden_size(model: nn.Module) -> int:
+    """Width of the model's encoder output, read from the encoder's config (`d_model` or `hidden_size`)."""
+    encoder = model.get_encoder()
+    for config in (getattr(encoder, "config", None), getattr(model.config, "encoder", None), model.config):
+        for name in ("d_model", "hidden_size"):
+            value = getattr(config, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    raise ValueError(f"Cannot tell the encoder output width of {type(model).__name__} from its config")
 
 
 @contextmanager

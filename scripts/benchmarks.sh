@@ -39,3 +39,29 @@ done
 # GAD and GAD++ sweeps over k, beta and tau (Ge et al. Tables 5-7 shape)
 python scripts/gad_sweep.py --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz \
     --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 300 --threads 2 --out docs/bench/gad-sweep
+# the drafters of issue 12 (Stern heads, sequential heads, feature drafter and its k / threshold sweep), batch 1
+hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz \
+    --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 300 --batch-sizes 1 --threads 2 \
+    --modes greedy heads seq_heads feature_k3 feature_k4 feature_k5 feature_k6 feature_k4_t0.3 feature_k5_t0.3 \
+    feature_k6_t0.3 feature_k6_t0.5 feature_k8_t0.5 --out docs/bench/multi30k-drafters
+hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz \
+    --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 300 --batch-sizes 16 --threads 2 \
+    --modes greedy heads seq_heads feature_k3 feature_k4 feature_k5 feature_k6 feature_k5_t0.3 \
+    --out docs/bench/multi30k-drafters-b16
+# the shipped defaults at batch 1 and 16, beside the loop's ceiling
+hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz \
+    --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 300 --batch-sizes 1 16 --threads 2 \
+    --modes greedy heads seq_heads feature oracle --oracle-block-sizes 4 --out docs/bench/multi30k-feature
+# cross-attention in the feature drafter: checkpoint-200 of the shipped recipe (copied aside as
+# checkpoints/ablation-cross-200 while it trained) against checkpoint-200 of the same recipe with
+# --cross-attention false --out checkpoints/feature-nocross (same data, schedule and steps)
+for variant in cross:ablation-cross-200 nocross:feature-nocross/checkpoint-200; do
+    hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz --sentences 300 \
+        --batch-sizes 1 --threads 2 --modes greedy feature_k5 --feature-drafter checkpoints/${variant#*:} \
+        --out docs/bench/feature-ablation/${variant%%:*}
+done
+# Stern's Table 1 shape: accepted tokens per call at k = 2..10 for every trained drafter
+python scripts/acceptance_table.py --model $mt --sentences 300 --out docs/acceptance_table.md
+# error correction: source copy, the gec-en feature drafter, and the composite of both, on JFLEG dev
+hf-blockwise bench --model $gec --source-file $data/jfleg/dev.src --reference-file $data/jfleg/dev.ref0 \
+    --modes greedy iad feature composite --batch-sizes 1 --threads 2 --out docs/bench/gec-jfleg-composite

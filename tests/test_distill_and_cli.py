@@ -11,7 +11,13 @@ import torch
 from conftest import build_model, word_tokenizer
 from datasets import Dataset
 
-from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, NonAutoregressiveDrafter
+from hf_blockwise import (
+    BlockwiseConfig,
+    BlockwiseHeadsModel,
+    FeatureDrafterConfig,
+    FeatureDrafterModel,
+    NonAutoregressiveDrafter,
+)
 from hf_blockwise.tools.cli import main
 from hf_blockwise.training.distill import distill_dataset, distill_texts
 
@@ -64,6 +70,15 @@ def test_demo_runs_offline_on_a_saved_directory(tmp_path, capsys) -> None:
     assert main(arguments) == 0
     printed = capsys.readouterr().out
     assert "int8" in printed and printed.count("[identical: True]") == 1
+    with pytest.raises(SystemExit, match="ships no feature-drafter"):
+        main(["demo", "--model", str(tmp_path), "--drafter", "feature"])
+    # a shipped feature drafter is the demo's default drafter
+    FeatureDrafterModel(base, FeatureDrafterConfig(block_size=4)).save_pretrained(
+        tmp_path / "feature-drafter", base_model_name_or_path=".."
+    )
+    assert main(["demo", "--model", str(tmp_path), "--repeats", "1", "--max-new-tokens", "20", "w5 w6 w7"]) == 0
+    printed = capsys.readouterr().out
+    assert "feature drafter, k=4" in printed and printed.count("[identical: True]") == 1
     with pytest.raises(SystemExit, match="No checkpoint"):
         main(["demo", "--model", str(tmp_path / "missing")])
 
@@ -80,6 +95,12 @@ def test_bench_compares_every_mode_and_writes_reports(tmp_path, capsys) -> None:
     NonAutoregressiveDrafter.from_verifier(base, mask_token_id=2, block_size=4).save_pretrained(
         checkpoint / "nar-drafter"
     )
+    # so are a feature drafter and sequential heads (saved naming the base as the folder above)
+    FeatureDrafterModel(base, FeatureDrafterConfig(block_size=4)).save_pretrained(
+        checkpoint / "feature-drafter", base_model_name_or_path=".."
+    )
+    sequential = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3, sequential=True))
+    sequential.save_pretrained(checkpoint / "sequential-heads", base_model_name_or_path="..")
     sources = tmp_path / "sources.txt"
     sources.write_text("\n".join(SOURCES[:5]) + "\n")
     out = tmp_path / "bench"
@@ -94,15 +115,17 @@ def test_bench_compares_every_mode_and_writes_reports(tmp_path, capsys) -> None:
     rows = {(row["mode"], row["batch_size"]): row for row in report["results"]}
     expected_at_one = {"greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_top2", "iad", "gad", "gad_pp"}
     expected_at_one |= {"loop", "oracle_k4"}  # the loop alone, and drafting greedy's own output
+    expected_at_one |= {"seq_heads", "feature", "composite"}
     assert {mode for mode, batch in rows if batch == 1} == expected_at_one
     assert {mode for mode, batch in rows if batch == 3} == expected_at_one - {"prompt_lookup", "assisted"}
     for (mode, _), row in rows.items():
         assert row["sentences"] == 5 and row["speedup"] > 0 and row["bleu"] is not None
-        if mode in ("greedy", "heads", "iad", "prompt_lookup", "assisted", "gad", "loop", "oracle_k4"):  # lossless
+        lossless = ("greedy", "heads", "iad", "prompt_lookup", "assisted", "gad", "loop", "oracle_k4", "seq_heads")
+        if mode in (*lossless, "feature", "composite"):
             assert row["identical_rate"] == 1.0, mode
     assert rows[("greedy", 1)]["forwards_per_token"] >= rows[("heads", 1)]["forwards_per_token"] > 0
     assert rows[("loop", 3)]["mean_accepted"] == 1.0 and rows[("oracle_k4", 3)]["mean_accepted"] > 2
-    assert (out / "bench.md").read_text().count("| 1 |") == 11 and (out / "bench.png").stat().st_size > 0
+    assert (out / "bench.md").read_text().count("| 1 |") == 14 and (out / "bench.png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "speedup vs greedy" in printed and f"report written to {out}" in printed
     curve = json.loads((out / "cost_curve.json").read_text())["ms_per_call"]
@@ -114,6 +137,27 @@ def test_bench_compares_every_mode_and_writes_reports(tmp_path, capsys) -> None:
     assert rows[("iad", 1)]["speedup_ceiling"] is None and rows[("greedy", 1)]["speedup_ceiling"] is None
     oracle = rows[("oracle_k4", 1)]  # feeds 4 tokens every step
     assert oracle["speedup_ceiling"] == pytest.approx(oracle["mean_accepted"] * times["1"] / times["4"])
+
+
+def test_bench_runs_drafters_at_other_block_sizes_and_thresholds(tmp_path, capsys) -> None:
+    base, tokenizer = build_model("marian", seed=3), word_tokenizer()
+    base.generation_config.max_length = None
+    checkpoint = tmp_path / "model"
+    base.save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    FeatureDrafterModel(base, FeatureDrafterConfig(block_size=4)).save_pretrained(tmp_path / "drafter")
+    sources = tmp_path / "sources.txt"
+    sources.write_text("\n".join(SOURCES[:4]) + "\n")
+    modes = ["feature_k6", "feature_k3_t0.2", "feature_t0.5"]
+    arguments = ["bench", "--model", str(checkpoint), "--source-file", str(sources), "--feature-drafter"]
+    arguments += [str(tmp_path / "drafter"), "--modes", *modes, "--batch-sizes", "2", "--max-new-tokens", "8"]
+    assert main([*arguments, "--out", str(tmp_path / "bench")]) == 0
+    rows = {row["mode"]: row for row in json.loads((tmp_path / "bench" / "bench.json").read_text())["results"]}
+    assert set(rows) == {"greedy", *modes}
+    assert all(row["identical_rate"] == 1.0 for row in rows.values())
+    with pytest.raises(SystemExit):
+        main(["bench", "--model", str(checkpoint), "--modes", "feature_x"])
+    assert "unknown mode 'feature_x'" in capsys.readouterr().err
 
 
 def test_gad_sweep_times_every_setting_against_one_greedy_run(tmp_path) -> None:

@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 from conftest import ARCHITECTURES, build_model, random_batch
-from transformers import GPT2Config, GPT2LMHeadModel
+from safetensors import safe_open
+from transformers import AutoModelForSeq2SeqLM, GenerationConfig, GPT2Config, GPT2LMHeadModel
 from transformers.generation.streamers import BaseStreamer
 
 from hf_blockwise import (
@@ -21,8 +22,9 @@ from hf_blockwise import (
     first_divergence,
     frequent_tokens,
 )
-from hf_blockwise.boundary import output_projection_logits
+from hf_blockwise.boundary import output_projection_logits, save_shipped_model
 from hf_blockwise.serialization import atomic_write_text
+from hf_blockwise.tools.cli import SHIPPED_MODEL
 
 
 def draft(drafter, request: DraftRequest):
@@ -364,3 +366,17 @@ def test_heads_drafter_derives_the_shortlist_projection_per_call_not_once(tiny_m
     )
     assert torch.isin(draft(drafter, request).tokens, torch.tensor([1, 5, 6, 7])).all()
     model.set_shortlist(None)
+
+
+def test_shipped_models_load_as_float32_and_limit_new_tokens(tmp_path) -> None:
+    """Plain `from_pretrained` gives float32 (fp16 on disk), and `max_new_tokens` conflicts with nothing."""
+    model = build_model("marian")
+    model.generation_config.max_length = 50
+    save_shipped_model(model, tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as weights:
+        assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.float16}  # noqa: SIM118
+    assert model.dtype == torch.float32  # the caller's model is left as it was
+    for directory in (tmp_path, SHIPPED_MODEL, os.path.join(os.path.dirname(SHIPPED_MODEL), "gec-en")):
+        assert AutoModelForSeq2SeqLM.from_pretrained(directory).dtype == torch.float32
+        generation = GenerationConfig.from_pretrained(directory)
+        assert generation.max_new_tokens is not None and "max_length" not in generation.to_diff_dict()

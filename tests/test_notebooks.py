@@ -95,6 +95,8 @@ def test_training_notebook_runs(tmp_path) -> None:
     plots = [out for cell in notebook.cells for out in cell.get("outputs", []) if out.output_type == "display_data"]
     assert plots, "the head-accuracy plot was not shown"
     assert (tmp_path / "run" / "final" / "blockwise_config.json").is_file()
+    assert "feature drafter, tokens per decoder call" in output
+    assert (tmp_path / "run-feature" / "final" / "feature_drafter_config.json").is_file()
 
 
 def test_error_correction_notebook_runs(tmp_path) -> None:

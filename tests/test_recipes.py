@@ -85,3 +85,40 @@ def test_nar_drafter_recipe_trains_resumes_and_ships(tmp_path) -> None:
     assert "non-autoregressive drafter" in (ship_dir / "README.md").read_text()
     assert json.loads((ship_dir / "nar_drafter_config.json").read_text())["verifier_name_or_path"] == ".."
     assert (ship_dir / "nar_drafter_weights.safetensors").is_file() and not (ship_dir / "model.safetensors").exists()
+
+
+def test_self_distillation_and_feature_drafter_recipes_train_resume_and_ship(tmp_path) -> None:
+    base_dir, data_dir, distilled, out_dir = tmp_path / "base", tmp_path / "data", tmp_path / "dist", tmp_path / "f"
+    model = build_model("marian", seed=13)
+    model.generation_config.max_length = None
+    model.save_pretrained(base_dir)
+    word_tokenizer().save_pretrained(base_dir)
+    data_dir.mkdir()
+    write_multi30k_like(data_dir / "multi30k")
+    distill = [
+        sys.executable, str(REPOSITORY / "training" / "distill_sources.py"), "--base", str(base_dir), "--out",
+        str(distilled), "--data-dir", str(data_dir), "--corpora", "multi30k_en:20", "--max-new-tokens", "12",
+        "--threads", "1",
+    ]  # fmt: skip
+    done = subprocess.run(distill, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len((distilled / "sources.txt").read_text().splitlines()) == 20
+    assert len((distilled / "distilled.jsonl").read_text().splitlines()) == 20
+    command = [
+        sys.executable, str(REPOSITORY / "training" / "train_feature_drafter.py"), "--base", str(base_dir),
+        "--distilled", str(distilled), "--out", str(out_dir), "--data-dir", str(data_dir), "--batch-size", "4",
+        "--eval-sentences", "3", "--threads", "1", "--max-new-tokens", "12", "--training-depth", "2",
+        "--shortlist", "30", "--logging-steps", "1",
+    ]  # fmt: skip
+    first = subprocess.run([*command, "--max-steps", "2"], capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    ship_dir = base_dir / "feature-drafter"
+    second = subprocess.run([*command, "--max-steps", "4", "--ship", str(ship_dir)], capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr[-3000:]
+    state = json.loads((out_dir / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["global_step"] == 4  # resumed from checkpoint-2
+    log = json.loads((out_dir / "feature_drafter_log.json").read_text())
+    assert log["identical"] == log["num_sentences"] == 3 and len(log["step_accuracies"]) == 2
+    config = json.loads((ship_dir / "feature_drafter_config.json").read_text())
+    assert config["base_model_name_or_path"] == ".." and 1 <= config["shortlist_size"] <= 30
+    assert sorted(os.listdir(ship_dir)) == ["README.md", "feature_drafter.safetensors", "feature_drafter_config.json"]

@@ -61,6 +61,7 @@ def make_state(sequences, lengths, cache_length, cache=None) -> DecodingState:
         encoder_input_ids=None,
         encoder_attention_mask=None,
         last_states=None,
+        verified_states=None,
         drafter_state=None,
         output=sequences.clone(),
         output_lengths=lengths.clone(),
@@ -200,6 +201,33 @@ def test_advance_crops_to_the_shortest_verified_prefix_and_drops_finished_rows()
     assert last.cache.self_attention_cache.layers[0].keys[0, 0, 0, 0].item() == 100.0  # row 1's keys kept
     assert last.output[0, :8].tolist() == [1, 2, 3, 4, 1, 2, 5, 9]  # row 0's output, at its caller index
     assert last.output_lengths[0].item() == 8
+
+
+def test_advance_hands_every_state_of_the_pass_with_its_verified_columns() -> None:
+    """What a feature drafter continues from: the pass's states, the position of column 0, and per row the
+    columns whose input and next token are both verified now (pending fed + drafts accepted)."""
+    state = make_state(SEQUENCES, [4, 6], cache_length=3)
+    feed = StepFeed(
+        tokens=torch.tensor([[4, 1, 2, 3], [5, 6, 7, 8]]),
+        num_pending=torch.tensor([1, 3]),
+        num_pending_fed=torch.tensor([1, 3]),
+        num_drafts_fed=torch.tensor([3, 1]),
+        deciding=torch.tensor([True, True]),
+    )
+    state.cache.self_attention_cache.update(torch.zeros(2, 1, 4, 1), torch.zeros(2, 1, 4, 1), 0)
+    verdict = Verdict(
+        new_tokens=torch.tensor([[1, 2, 5, 0], [4, 0, 0, 0]]),
+        num_new=torch.tensor([3, 1]),
+        num_accepted=torch.tensor([2, 0]),
+        stopped=torch.tensor([False, True]),
+    )
+    states = torch.arange(2 * 4 * 3, dtype=torch.float).reshape(2, 4, 3)  # (b, W, d)
+    after = advance(state, make_setup(), feed, verdict, states=states)
+    verified = after.verified_states
+    assert verified.start == 3
+    assert verified.num_valid.tolist() == [3]  # row 0: 1 pending + 2 accepted; row 1 finished and left
+    assert torch.equal(verified.states, states[:1])
+    assert torch.equal(after.last_states, states[0, 2][None])  # the state that chose row 0's last token
 
 
 def test_prefix_free_and_inactive_processors_skip_per_column_calls_with_the_same_scores() -> None:

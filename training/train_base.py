@@ -57,6 +57,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, MarianConfig, MarianMTModel, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
+from hf_blockwise.boundary import save_shipped_model
 from hf_blockwise.serialization import atomic_write, atomic_write_text
 from hf_blockwise.tools.arguments import parse_dataclass_args
 
@@ -756,8 +757,7 @@ def ship(model: MarianMTModel, tokenizer: PreTrainedTokenizerFast, args: TrainBa
     log = json.loads((out_dir / LOG_FILE).read_text())
     ship_dir = Path(args.ship)
     ship_dir.mkdir(parents=True, exist_ok=True)
-    model.to(torch.float16).save_pretrained(ship_dir)
-    model.to(torch.float32)
+    save_shipped_model(model, ship_dir)  # fp16 on disk, loaded as float32
     tokenizer.save_pretrained(ship_dir)
     card = MODEL_CARDS.get(args.task)
     if card is not None:

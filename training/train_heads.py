@@ -44,6 +44,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, frequent_tokens
+from hf_blockwise.boundary import save_shipped_model
 from hf_blockwise.serialization import atomic_write_text
 from hf_blockwise.tools.arguments import parse_dataclass_args
 from hf_blockwise.tools.evaluation import compare_to_greedy
@@ -52,6 +53,7 @@ from hf_blockwise.training.blockwise_trainer import BlockwiseTrainer
 from hf_blockwise.training.distill import distill_texts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from distill_sources import load_distilled
 from train_base import DEFAULT_DATA_DIR, load_multi30k
 
 
@@ -66,6 +68,16 @@ class TrainHeadsArguments:
     head_hidden_size: int | None = field(default=None, metadata={"help": "hidden width per head"})
     condition_on_token: bool = field(
         default=False, metadata={"help": "heads also read the token the base chose (see config)"}
+    )
+    sequential: bool = field(
+        default=False, metadata={"help": "Hydra-style sequential heads: head i reads the drafts of heads < i"}
+    )
+    distilled_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "train on the self-distillation data of training/distill_sources.py (every source text in "
+            "../shared/data) instead of distilling the Multi30k training sources"
+        },
     )
     targets: Literal["gold", "distilled"] = field(
         default="distilled", metadata={"help": "gold: the references; distilled: the base's own outputs"}
@@ -96,6 +108,9 @@ class TrainHeadsArguments:
         },
     )
     ship: str | None = field(default=None, metadata={"help": "also write a self-contained shipped checkpoint here"})
+    ship_heads: str | None = field(
+        default=None, metadata={"help": "also write the heads alone here, naming the base as '..' (a subfolder)"}
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainHeadsArguments:
@@ -114,8 +129,7 @@ def encode(tokenizer, sources: Sequence[str], targets: Sequence[str]) -> Dataset
 def ship(model: BlockwiseHeadsModel, tokenizer, directory: str, results: dict) -> None:
     """Base and heads in fp16 (half the size; loaded back as fp32) with tokenizer and model card."""
     os.makedirs(directory, exist_ok=True)
-    model.base_model.to(torch.float16).save_pretrained(directory)
-    model.base_model.to(torch.float32)
+    save_shipped_model(model.base_model, directory)  # fp16 on disk, loaded as float32
     model.save_pretrained(directory, base_model_name_or_path=".", dtype=torch.float16)
     tokenizer.save_pretrained(directory)
     atomic_write_text(os.path.join(directory, "README.md"), model_card(model, results))
@@ -171,9 +185,13 @@ def train(args: TrainHeadsArguments):
     base = AutoModelForSeq2SeqLM.from_pretrained(args.base, dtype=torch.float32)
     data = load_multi30k(args.dataset)
     sources, references = data["train"]
+    if args.distilled_dir:
+        sources, references = load_distilled(args.distilled_dir)
     if args.train_sentences:
         sources, references = sources[: args.train_sentences], references[: args.train_sentences]
-    if args.targets == "distilled":
+    if args.distilled_dir:
+        targets = references  # already the base's own greedy outputs
+    elif args.targets == "distilled":
         cache = args.distilled_cache or os.path.join(args.out, f"distilled-beam{args.teacher_beams}.jsonl")
         # under `accelerate launch` the main process fills the cache, the others then read it
         with process_state().main_process_first():
@@ -189,6 +207,7 @@ def train(args: TrainHeadsArguments):
         block_size=args.block_size,
         head_hidden_size=args.head_hidden_size,
         condition_on_token=args.condition_on_token,
+        sequential=args.sequential,
         base_model_name_or_path=args.base,
     )
     model = BlockwiseHeadsModel(base, config)
@@ -241,6 +260,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "targets": args.targets,
         "base_training": args.base_training,
         "block_size": args.block_size,
+        "sequential": args.sequential,
+        "distilled_dir": args.distilled_dir,
         "head_hidden_size": model.blockwise_config.head_hidden_size,
         "epochs": args.epochs,
         "shortlist_size": model.blockwise_config.shortlist_size,
@@ -252,6 +273,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.ship:
         ship(model, tokenizer, args.ship, results)
         print(f"shipped to {args.ship}")
+    if args.ship_heads:
+        model.save_pretrained(args.ship_heads, base_model_name_or_path="..", dtype=torch.float16)
+        atomic_write_text(os.path.join(args.ship_heads, "README.md"), model_card(model, results))
+        print(f"heads shipped to {args.ship_heads}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,23 @@ from typing import Any
 import torch
 
 
+@dataclass(frozen=True)
+class VerifiedStates:
+    """The decoder states of the last verification pass, for drafters that continue from all of them.
+
+    Attributes:
+        states (`torch.Tensor` of shape `(batch_size, width, hidden_size)`): the states at the output projection,
+            column c holding decoder position `start + c`; the state at position p predicted token p + 1.
+        start (`int`): decoder position of column 0 (the same for every row).
+        num_valid (`torch.LongTensor` of shape `(batch_size,)`): leading columns per row whose input token was
+            verified and whose next token is now verified too (at least 1).
+    """
+
+    states: torch.Tensor
+    start: int
+    num_valid: torch.Tensor
+
+
 @dataclass
 class DraftRequest:
     """What a drafter sees before a verification step.
@@ -32,6 +49,10 @@ class DraftRequest:
         encoder_input_ids (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*): the source.
         encoder_attention_mask (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*).
         drafter_state (*optional*): what the drafter's [`Drafter.prepare`] returned for this `generate` call.
+        verified_states ([`VerifiedStates`], *optional*): every state of the last verification pass, for drafters
+            with `reads_decoder_states`; `None` before the first forward pass.
+        encoder_hidden_states (`torch.Tensor` of shape `(batch_size, source_length, hidden_size)`, *optional*):
+            the base's encoder output, computed once per call.
     """
 
     sequences: torch.Tensor
@@ -41,6 +62,8 @@ class DraftRequest:
     encoder_input_ids: torch.Tensor | None = None
     encoder_attention_mask: torch.Tensor | None = None
     drafter_state: Any = None
+    verified_states: VerifiedStates | None = None
+    encoder_hidden_states: torch.Tensor | None = None
 
 
 @dataclass
@@ -69,8 +92,8 @@ class Drafter(ABC):
     Attributes:
         block_size (`int`): most tokens one step may produce per row, the base model's own token included
             (k in Stern et al.); a step feeds at most this many tokens per row to the decoder.
-        reads_decoder_states (`bool`): whether `DraftRequest.last_states` is needed; the loop captures the
-            decoder states at the output projection only for drafters that read them.
+        reads_decoder_states (`bool`): whether `DraftRequest.last_states` and `verified_states` are needed; the
+            loop captures the decoder states at the output projection only for drafters that read them.
     """
 
     block_size: int
@@ -108,6 +131,12 @@ class Drafter(ABC):
         `tokens` may be narrower than `block_size - 1`: the verification pass is only as wide as the widest
         row needs, so a drafter that knows most rows have few drafts should return only that many columns.
         """
+
+    def observe(self, request: DraftRequest) -> None:  # noqa: B027
+        """Called instead of [`get_candidates`] on a step where none of this drafter's drafts are wanted (a
+        [`CompositeDrafter`] serving every row from its other drafter). A drafter that keeps a cache of what each
+        verification established records the request's states in its per-call state here; the default does
+        nothing."""
 
     def update_candidate_strategy(self, request: DraftRequest, num_accepted: torch.Tensor) -> None:  # noqa: B027
         """Called after each verification with the drafts accepted per row, shape `(batch_size,)`.

@@ -9,6 +9,7 @@ import torch
 
 from hf_blockwise.boundary import output_projection_logits, shortlist_projection
 from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts
+from hf_blockwise.modeling.heads import SequentialHeads
 
 if TYPE_CHECKING:
     from hf_blockwise.modeling.model import BlockwiseHeadsModel
@@ -71,18 +72,39 @@ class HeadsDrafter(Drafter):
         batch_size = request.lengths.shape[0]
         if request.last_states is None:
             return Drafts.empty(batch_size, request.lengths.device)
-        states = request.last_states.to(self.model.heads.up.weight.dtype)
+        states = request.last_states.to(self.model.base_model.get_output_embeddings().weight.dtype)
         # the last verified token is the base model's own choice from `last_states`
         last_tokens = request.sequences.gather(1, (request.lengths - 1).clamp(min=0)[:, None])[:, 0]  # (B,)
         chosen = self.model.chosen_token_embeddings(last_tokens)  # (B, e) or None
-        head_states = self.model.heads(states, num_heads=self.block_size - 1, token_embeddings=chosen)  # (B, k-1, d)
-        projection = request.drafter_state
-        if projection is None:
-            tokens = output_projection_logits(self.model.base_model, head_states).argmax(dim=-1)  # (B, k-1)
+        if isinstance(self.model.heads, SequentialHeads):
+            tokens = self._draft_sequentially(states, chosen, request.drafter_state)  # (B, k-1)
         else:
-            logits = torch.nn.functional.linear(
-                head_states.to(projection.weight.dtype), projection.weight, projection.bias
-            )
-            tokens = projection.token_ids[logits.argmax(dim=-1)]  # (B, k-1)
+            head_states = self.model.heads(states, num_heads=self.block_size - 1, token_embeddings=chosen)
+            tokens = self._project(head_states, request.drafter_state)  # (B, k-1)
         lengths = torch.full((batch_size,), tokens.shape[1], dtype=torch.long, device=tokens.device)
         return Drafts(tokens=tokens, lengths=lengths)
+
+    def _project(self, head_states: torch.Tensor, projection: ShortlistProjection | None) -> torch.Tensor:
+        """Most likely token of each head state (shape `(..., d)` -> `(...)`), over the shortlist if any."""
+        if projection is None:
+            return output_projection_logits(self.model.base_model, head_states).argmax(dim=-1)
+        logits = torch.nn.functional.linear(head_states.to(projection.weight.dtype), projection.weight, projection.bias)
+        return projection.token_ids[logits.argmax(dim=-1)]
+
+    def _draft_sequentially(
+        self, states: torch.Tensor, chosen: torch.Tensor, projection: ShortlistProjection | None
+    ) -> torch.Tensor:
+        """Sequential heads: head i reads the embeddings of t_0 and of the drafts of heads 1..i-1.
+
+        Args:
+            states (`torch.Tensor` of shape `(B, d)`), chosen (`torch.Tensor` of shape `(B, e)`): t_0's embedding.
+
+        Returns:
+            `torch.LongTensor` of shape `(B, block_size - 1)`.
+        """
+        embedded, tokens = [chosen], []
+        for index in range(self.block_size - 1):
+            token = self._project(self.model.heads.head(index, states, torch.stack(embedded, dim=1)), projection)
+            tokens.append(token)
+            embedded.append(self.model.chosen_token_embeddings(token))
+        return torch.stack(tokens, dim=1)

@@ -61,6 +61,7 @@ def initial_state(call: hf.GenerateCall, setup: DecodingSetup) -> DecodingState:
         encoder_input_ids=call.encoder_input_ids,
         encoder_attention_mask=call.encoder_attention_mask,
         last_states=None,
+        verified_states=None,
         drafter_state=setup.drafter.prepare(call.encoder_input_ids, call.encoder_attention_mask),
         output=sequences.clone(),
         output_lengths=lengths.clone(),

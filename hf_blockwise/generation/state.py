@@ -15,7 +15,7 @@ from torch import nn
 from transformers import LogitsProcessorList
 
 from hf_blockwise.boundary import StopRules
-from hf_blockwise.drafters.base import Drafter
+from hf_blockwise.drafters.base import Drafter, VerifiedStates
 from hf_blockwise.generation.acceptance import AcceptanceRule
 
 
@@ -87,6 +87,8 @@ class DecodingState:
         encoder_attention_mask (`torch.LongTensor` of shape `(num_rows, source_length)`, *optional*).
         last_states (`torch.Tensor` of shape `(num_rows, hidden_size)`, *optional*): the decoder state at the
             output projection that predicted each row's last token; `None` before the first forward.
+        verified_states ([`VerifiedStates`], *optional*): all states of the last verification pass, with how
+            many leading columns of each row were verified; `None` when the drafter reads no states.
         drafter_state: what the drafter's `prepare` returned, row-selected as rows finish.
         output (`torch.LongTensor` of shape `(batch_size, buffer_length)`): finished rows, at their caller index.
         output_lengths (`torch.LongTensor` of shape `(batch_size,)`).
@@ -104,6 +106,7 @@ class DecodingState:
     encoder_input_ids: torch.Tensor | None
     encoder_attention_mask: torch.Tensor | None
     last_states: torch.Tensor | None
+    verified_states: VerifiedStates | None
     drafter_state: Any
     output: torch.Tensor
     output_lengths: torch.Tensor

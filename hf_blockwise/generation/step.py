@@ -25,7 +25,7 @@ import dataclasses
 import torch
 
 from hf_blockwise import boundary as hf
-from hf_blockwise.drafters.base import DraftRequest, Drafts
+from hf_blockwise.drafters.base import DraftRequest, Drafts, VerifiedStates
 from hf_blockwise.generation.acceptance import ExactAcceptance, accepted_lengths
 from hf_blockwise.generation.state import DecodingSetup, DecodingState, StepFeed, Verdict
 
@@ -44,6 +44,8 @@ def draft_request(state: DecodingState, setup: DecodingSetup) -> DraftRequest:
         encoder_input_ids=state.encoder_input_ids,
         encoder_attention_mask=state.encoder_attention_mask,
         drafter_state=state.drafter_state,
+        verified_states=state.verified_states,
+        encoder_hidden_states=hf.encoder_hidden_states(state.forward_kwargs),
     )
 
 
@@ -323,6 +325,9 @@ def advance(
         max_pending=max_pending,
         min_pending=min_pending,
         last_states=boundary_states(states, feed, verdict.num_accepted, state.last_states),
+        verified_states=None
+        if states is None
+        else VerifiedStates(states, state.cache_length, feed.num_pending_fed + verdict.num_accepted),
         accepted=[*state.accepted, accepted.index_copy(0, state.rows, verdict.num_new)],
     )
     if num_active == state.num_rows:
@@ -352,6 +357,13 @@ def drop_finished(state: DecodingState, setup: DecodingSetup, active: torch.Tens
         encoder_input_ids=rows_of(state.encoder_input_ids),
         encoder_attention_mask=rows_of(state.encoder_attention_mask),
         last_states=rows_of(state.last_states),
+        verified_states=None
+        if state.verified_states is None
+        else dataclasses.replace(
+            state.verified_states,
+            states=state.verified_states.states.index_select(0, keep),
+            num_valid=state.verified_states.num_valid.index_select(0, keep),
+        ),
         drafter_state=setup.drafter.select_rows(state.drafter_state, keep),
         output=output,
         output_lengths=output_lengths,

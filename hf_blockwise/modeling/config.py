@@ -81,6 +81,9 @@ class BlockwiseConfig(JsonConfigMixin):
             Heads also read the embedding of the token the base model chose from the same decoder state (when
             drafting: the last verified token). Stern's heads see the state only and must infer that choice
             from it; being told it, as Hydra-style heads are, makes the longer-range guesses easier.
+        sequential (`bool`, defaults to `False`):
+            Hydra-style sequential heads ([`SequentialHeads`]): head i also reads the drafts of heads 1..i-1, so
+            drafting runs the heads one after another. Implies reading the chosen token.
     """
 
     block_size: int = 4
@@ -91,6 +94,7 @@ class BlockwiseConfig(JsonConfigMixin):
     vocab_size: int | None = None
     shortlist_size: int | None = None
     condition_on_token: bool = False
+    sequential: bool = False
 
     file_name: ClassVar[str] = CONFIG_NAME
 
@@ -103,8 +107,9 @@ class BlockwiseConfig(JsonConfigMixin):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-        if not isinstance(self.condition_on_token, bool):
-            raise ValueError(f"condition_on_token must be a bool, got {self.condition_on_token!r}")
+        for name in ("condition_on_token", "sequential"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("base_model_name_or_path", "base_model_type"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -114,3 +119,63 @@ class BlockwiseConfig(JsonConfigMixin):
     def num_heads(self) -> int:
         """Number of proposal heads, `block_size - 1`."""
         return self.block_size - 1
+
+
+FEATURE_DRAFTER_CONFIG_NAME = "feature_drafter_config.json"
+
+
+@dataclass
+class FeatureDrafterConfig(JsonConfigMixin):
+    """Configuration of a [`FeatureDrafterModel`]: one decoder layer that drafts the base's next decoder states.
+
+    Args:
+        block_size (`int`, defaults to 5): most tokens one step may produce, the base's own included (k); the
+            drafter proposes up to `block_size - 1` tokens per step.
+        draft_threshold (`float`, *optional*): default per-row stopping threshold of drafting: a row stops when
+            the drafter's probability of its next token falls below it (`None`: always draft `block_size - 1`).
+        cross_attention (`bool`, defaults to `True`): the layer also attends to the base's encoder output.
+        num_attention_heads (`int`, *optional*): heads of the layer's attentions; `None`: `hidden_size // 64`.
+        ffn_size (`int`, *optional*): feed-forward width; `None`: the base decoder's.
+        training_depth (`int`, defaults to 3): how many drafting steps training unrolls ("training-time test":
+            step i reads the drafter's own predicted states of steps < i).
+        base_model_name_or_path, base_model_type, hidden_size, embedding_size, encoder_hidden_size, vocab_size:
+            what the drafter was built for, filled in from the base and checked when it is attached.
+        shortlist_size (`int`, *optional*): drafts are drawn from this many token ids only (stored with the weights).
+    """
+
+    block_size: int = 5
+    draft_threshold: float | None = None
+    cross_attention: bool = True
+    num_attention_heads: int | None = None
+    ffn_size: int | None = None
+    training_depth: int = 3
+    base_model_name_or_path: str | None = None
+    base_model_type: str | None = None
+    hidden_size: int | None = None
+    embedding_size: int | None = None
+    encoder_hidden_size: int | None = None
+    vocab_size: int | None = None
+    shortlist_size: int | None = None
+
+    file_name: ClassVar[str] = FEATURE_DRAFTER_CONFIG_NAME
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 2:
+            raise ValueError(f"block_size must be an int >= 2 (k tokens per step), got {self.block_size!r}")
+        if self.draft_threshold is not None and not 0.0 <= self.draft_threshold < 1.0:
+            raise ValueError(f"draft_threshold must be in [0, 1) or None, got {self.draft_threshold!r}")
+        if not isinstance(self.cross_attention, bool):
+            raise ValueError(f"cross_attention must be a bool, got {self.cross_attention!r}")
+        if isinstance(self.training_depth, bool) or not isinstance(self.training_depth, int) or self.training_depth < 1:
+            raise ValueError(f"training_depth must be an int >= 1, got {self.training_depth!r}")
+        for name in (
+            "num_attention_heads", "ffn_size", "hidden_size", "embedding_size", "encoder_hidden_size", "vocab_size",
+            "shortlist_size",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        for name in ("base_model_name_or_path", "base_model_type"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a string or None, got {value!r}")

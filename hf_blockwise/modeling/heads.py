@@ -69,3 +69,71 @@ class BlockwiseHeads(nn.Module):
         hidden = torch.relu(self.up(inputs))  # (..., K * head_hidden)
         updates = nn.functional.linear(hidden, self.down.weight[:rows], self.down.bias[:rows])  # (..., n * d)
         return states.unsqueeze(-2) + updates.unflatten(-1, (num_heads, self.hidden_size))
+
+
+class SequentialHeads(nn.Module):
+    """Hydra-style heads: head i reads the decoder state *and* the embeddings of the tokens before its own, the
+    base's chosen token t_0 and the drafts t_1..t_i of the heads before it, so later guesses are conditioned on
+    earlier ones (Ankner et al. 2024). Each head is one hidden layer with a residual connection; the output
+    layers start at zero, so untrained heads copy the base's next-token distribution.
+
+    Args:
+        hidden_size (`int`): width d of the decoder states fed to the output projection.
+        head_hidden_size (`int`): hidden width of one head.
+        num_heads (`int`): k − 1.
+        token_embedding_size (`int`): width of the base decoder's token embeddings.
+        shortlist_size (`int`, *optional*): size of the `shortlist` buffer of token ids the heads propose from.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_hidden_size: int,
+        num_heads: int,
+        token_embedding_size: int,
+        shortlist_size: int | None = None,
+    ):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.token_embedding_size = token_embedding_size
+        self.up = nn.ModuleList(
+            nn.Linear(hidden_size + (head + 1) * token_embedding_size, head_hidden_size) for head in range(num_heads)
+        )
+        self.down = nn.ModuleList(nn.Linear(head_hidden_size, hidden_size) for _ in range(num_heads))
+        for layer in self.down:
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+        shortlist = None if shortlist_size is None else torch.zeros(shortlist_size, dtype=torch.long)
+        self.shortlist: torch.Tensor | None
+        self.register_buffer("shortlist", shortlist)
+
+    def head(self, index: int, states: torch.Tensor, token_embeddings: torch.Tensor) -> torch.Tensor:
+        """Head `index`'s state.
+
+        Args:
+            states (`torch.Tensor` of shape `(..., hidden_size)`).
+            token_embeddings (`torch.Tensor` of shape `(..., index + 1, token_embedding_size)`): t_0..t_index.
+
+        Returns:
+            `torch.Tensor` of shape `(..., hidden_size)`.
+        """
+        inputs = torch.cat([states, token_embeddings.to(states.dtype).flatten(-2)], dim=-1)
+        return states + self.down[index](torch.relu(self.up[index](inputs)))
+
+    def forward(
+        self, states: torch.Tensor, token_embeddings: torch.Tensor, num_heads: int | None = None
+    ) -> torch.Tensor:
+        """All heads at once, teacher-forced: head i reads the given embeddings of t_0..t_i.
+
+        Args:
+            states (`torch.Tensor` of shape `(..., hidden_size)`).
+            token_embeddings (`torch.Tensor` of shape `(..., num_heads, token_embedding_size)`).
+
+        Returns:
+            `torch.Tensor` of shape `(..., num_heads, hidden_size)`.
+        """
+        num_heads = self.num_heads if num_heads is None else num_heads
+        return torch.stack(
+            [self.head(index, states, token_embeddings[..., : index + 1, :]) for index in range(num_heads)], dim=-2
+        )

@@ -29,7 +29,7 @@ from hf_blockwise.drafters.base import Drafter
 from hf_blockwise.drafters.heads import HeadsDrafter
 from hf_blockwise.generation.loop import blockwise_generate
 from hf_blockwise.modeling.config import CONFIG_NAME, BlockwiseConfig
-from hf_blockwise.modeling.heads import BlockwiseHeads
+from hf_blockwise.modeling.heads import BlockwiseHeads, SequentialHeads
 from hf_blockwise.serialization import atomic_write
 
 WEIGHTS_NAME = "blockwise_heads.safetensors"
@@ -135,15 +135,25 @@ class BlockwiseHeadsModel(BaseModelWrapper):
         self.base_model = base_model
         projection = base_model.get_output_embeddings().weight
         token_embedding_size = None
-        if self.blockwise_config.condition_on_token:
+        if self.blockwise_config.condition_on_token or self.blockwise_config.sequential:
             token_embedding_size = hf.decoder_input_embeddings(base_model).weight.shape[1]
-        self.heads = BlockwiseHeads(
-            signature["hidden_size"],
-            self.blockwise_config.head_hidden_size,
-            self.blockwise_config.num_heads,
-            self.blockwise_config.shortlist_size,
-            token_embedding_size,
-        )
+        self.heads: BlockwiseHeads | SequentialHeads
+        if self.blockwise_config.sequential:
+            self.heads = SequentialHeads(
+                signature["hidden_size"],
+                self.blockwise_config.head_hidden_size,
+                self.blockwise_config.num_heads,
+                token_embedding_size,
+                self.blockwise_config.shortlist_size,
+            )
+        else:
+            self.heads = BlockwiseHeads(
+                signature["hidden_size"],
+                self.blockwise_config.head_hidden_size,
+                self.blockwise_config.num_heads,
+                self.blockwise_config.shortlist_size,
+                token_embedding_size,
+            )
         self.heads.to(device=projection.device, dtype=projection.dtype)
 
     @property
@@ -169,7 +179,7 @@ class BlockwiseHeadsModel(BaseModelWrapper):
         Returns:
             `torch.Tensor` of shape `(..., embedding_size)`, or `None`.
         """
-        if not self.blockwise_config.condition_on_token:
+        if not (self.blockwise_config.condition_on_token or self.blockwise_config.sequential):
             return None
         return hf.decoder_input_embeddings(self.base_model)(token_ids)
 
@@ -197,7 +207,7 @@ class BlockwiseHeadsModel(BaseModelWrapper):
             raise ValueError(f"Shortlist ids must lie in [0, {vocab_size}) (the base's vocabulary)")
         if ids.unique().numel() != ids.numel():
             raise ValueError("Shortlist ids must be unique")
-        self.heads.register_buffer("shortlist", ids.to(self.heads.up.weight.device))
+        self.heads.register_buffer("shortlist", ids.to(self.base_model.get_output_embeddings().weight.device))
         self.blockwise_config = dataclasses.replace(self.blockwise_config, shortlist_size=int(ids.numel()))
 
     def forward(
@@ -223,11 +233,13 @@ class BlockwiseHeadsModel(BaseModelWrapper):
                 return_dict=True,
                 **kwargs,
             )
-        chosen = None
-        if self.blockwise_config.condition_on_token:
-            # the token the base picks from each state: at inference, the last verified token (greedy's choice)
-            chosen = self.chosen_token_embeddings(outputs.logits.detach().argmax(dim=-1))  # (B, T, e)
-        head_states = self.heads(captured[-1], token_embeddings=chosen)  # (B, T, k-1, d)
+        # the token the base picks from each state: at inference, the last verified token (greedy's choice)
+        chosen_ids = outputs.logits.detach().argmax(dim=-1)  # (B, T)
+        if self.blockwise_config.sequential:
+            head_states = self.heads(captured[-1], self._sequential_inputs(chosen_ids, labels))  # (B, T, k-1, d)
+        else:
+            chosen = self.chosen_token_embeddings(chosen_ids)  # (B, T, e) or None
+            head_states = self.heads(captured[-1], token_embeddings=chosen)  # (B, T, k-1, d)
         if labels is None:
             head_logits = output_projection_logits(self.base_model, head_states)  # (B, T, k-1, V)
             return BlockwiseHeadsOutput(logits=outputs.logits, head_logits=head_logits)
@@ -240,6 +252,24 @@ class BlockwiseHeadsModel(BaseModelWrapper):
             logits=outputs.logits,
         )
 
+    def _sequential_inputs(self, chosen_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """Teacher-forced inputs of sequential heads: at position t, the embeddings of t_0 (the base's choice at
+        t) and of the tokens after it, t_j = label t + j (what the earlier heads should have drafted).
+
+        Returns:
+            `torch.Tensor` of shape `(batch_size, target_length, num_heads, embedding_size)`.
+        """
+        if labels is None:
+            raise ValueError("Sequential heads are trained teacher-forced and need labels")
+        length = labels.shape[1]
+        tokens = [chosen_ids]
+        for offset in range(1, self.blockwise_config.num_heads):
+            shifted = labels[:, offset:].clamp(min=0)  # (B, T - offset)
+            tokens.append(
+                torch.cat([shifted, shifted.new_zeros(labels.shape[0], min(offset, length))], dim=1)[:, :length]
+            )
+        return hf.decoder_input_embeddings(self.base_model)(torch.stack(tokens, dim=2))
+
     @torch.no_grad()
     def generate(self, *args: Any, assistant: Any = _OWN_HEADS, acceptance: Any = None, **kwargs: Any):
         """The base model's `generate`, decoded blockwise with this model's heads.
@@ -247,7 +277,7 @@ class BlockwiseHeadsModel(BaseModelWrapper):
         Takes every argument of transformers' `generate`. `assistant=None` runs the base model's own greedy
         `generate`; another [`Drafter`] replaces the heads. See [`blockwise_generate`] for the return value.
         """
-        _check_batch_not_empty(args, kwargs)
+        check_batch_not_empty(args, kwargs)
         if assistant is None:
             return self.base_model.generate(*args, **kwargs)
         drafter = self.drafter() if assistant is _OWN_HEADS else assistant
@@ -371,7 +401,7 @@ def _save_adapter_atomically(peft_model: nn.Module, save_directory: str | os.Pat
             os.replace(os.path.join(scratch, name), os.path.join(save_directory, name))
 
 
-def _check_batch_not_empty(args: tuple, kwargs: dict[str, Any]) -> None:
+def check_batch_not_empty(args: tuple, kwargs: dict[str, Any]) -> None:
     # The encoder would fail on an empty batch with an obscure reshape error before decoding starts.
     inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs", kwargs.get("inputs_embeds")))
     if isinstance(inputs, torch.Tensor) and inputs.shape[0] == 0:

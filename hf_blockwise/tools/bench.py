@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from hf_blockwise import boundary as hf
+from hf_blockwise.drafters.composite import CompositeDrafter
 from hf_blockwise.drafters.input_copy import InputCopyDrafter
 from hf_blockwise.drafters.nar import NonAutoregressiveDrafter
 from hf_blockwise.drafters.oracle import ReferenceDrafter
@@ -52,11 +53,12 @@ from hf_blockwise.tools.harness import DecoderCallCounter as DecoderCallCounter 
 from hf_blockwise.tools.harness import ModeResult as ModeResult  # re-exported
 
 MODE_NAMES = (
-    "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_full_vocab", "heads_top2", "iad", "gad",
-    "gad_pp", "greedy_int8", "heads_int8", "iad_int8", "loop", "oracle",
+    "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_full_vocab", "heads_top2", "seq_heads", "feature",
+    "composite", "iad", "gad", "gad_pp", "greedy_int8", "heads_int8", "iad_int8", "loop", "oracle",
 )  # fmt: skip
 DEFAULT_MODES = (
-    "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_top2", "iad", "gad", "gad_pp", "loop", "oracle",
+    "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_top2", "seq_heads", "feature", "composite", "iad",
+    "gad", "gad_pp", "loop", "oracle",
 )  # fmt: skip
 # The CPU fast path, step by step (Devlin 2017, Table 1): blockwise heads drafting over the whole vocabulary,
 # + the heads' vocabulary shortlist, + int8 matrix products (with int8 greedy as that step's exact reference).
@@ -67,6 +69,8 @@ BATCH_ONE_ONLY = {"prompt_lookup", "assisted"}  # transformers' assisted generat
 INT8_MODES = {"greedy_int8", "heads_int8", "iad_int8"}
 DEFAULT_ORACLE_BLOCK_SIZES = (4,)
 ORACLE_MODE = re.compile(r"oracle_k(\d+)")
+# a model drafter at another block size k and (feature drafter) draft threshold: `feature_k6_t0.3`, `heads_k3`
+SIZED_MODE = re.compile(r"(heads|seq_heads|feature)_k(\d+)(?:_t([0-9.]+))?|feature_t([0-9.]+)")
 
 
 def reference_mode(mode: str) -> str:
@@ -92,6 +96,9 @@ class BenchSetup:
         max_new_tokens (`int`): length limit of every mode.
         iad_max_draft_length (`int`): most source tokens the IAD modes draft per step.
         nar_drafter ([`NonAutoregressiveDrafter`], *optional*): the drafter of the GAD modes.
+        sequential_heads_model ([`BlockwiseHeadsModel`] with sequential heads, *optional*): mode `seq_heads`.
+        feature_model ([`FeatureDrafterModel`], *optional*): the feature drafter of modes `feature` and
+            `composite` (source copy where it has a draft, else the feature drafter).
         gad_block_size (`int`, *optional*): tokens per GAD step (default: the drafter's trained block size).
         gad_top_beta (`int`), gad_tolerance (`float`): GAD++'s β and τ (mode `gad_pp`).
         oracle_block_sizes (`tuple[int, ...]`): the block sizes k of the `oracle` mode, one row `oracle_k{k}` each.
@@ -104,6 +111,8 @@ class BenchSetup:
     max_new_tokens: int = 128
     iad_max_draft_length: int = 32
     nar_drafter: Any = None
+    sequential_heads_model: nn.Module | None = None
+    feature_model: nn.Module | None = None
     gad_block_size: int | None = None
     gad_top_beta: int = 3
     gad_tolerance: float = 1.0
@@ -115,7 +124,10 @@ class BenchSetup:
         quantized = quantize_dynamic_int8(copy.deepcopy(source))
         heads_model = quantized if self.heads_model is not None else None
         base = quantized.base_model if heads_model is not None else quantized
-        return dataclasses.replace(self, base=base, heads_model=heads_model, assistant_model=None)
+        return dataclasses.replace(
+            self, base=base, heads_model=heads_model, assistant_model=None, sequential_heads_model=None,
+            feature_model=None,
+        )  # fmt: skip
 
 
 def available_modes(setup: BenchSetup, requested: Sequence[str]) -> list[str]:
@@ -123,12 +135,13 @@ def available_modes(setup: BenchSetup, requested: Sequence[str]) -> list[str]:
     `oracle_k{k}` mode per block size of `setup.oracle_block_sizes`."""
     modes = []
     for mode in requested:
-        if mode not in MODE_NAMES and not ORACLE_MODE.fullmatch(mode):
-            raise ValueError(f"Unknown mode {mode!r}; choose from {MODE_NAMES}")
+        if mode not in MODE_NAMES and not ORACLE_MODE.fullmatch(mode) and not SIZED_MODE.fullmatch(mode):
+            raise ValueError(f"Unknown mode {mode!r}; choose from {MODE_NAMES}, oracle_k<k>, feature_k<k>_t<p>")
+        missing = _missing_model(setup, mode)
         if mode == "oracle":
             modes += [oracle_mode(k) for k in setup.oracle_block_sizes]
-        elif mode.startswith("heads") and setup.heads_model is None:
-            print(f"skipping {mode}: the model has no proposal heads")
+        elif missing:
+            print(f"skipping {mode}: {missing}")
         elif mode == "assisted" and setup.assistant_model is None:
             print("skipping assisted: pass --assistant-model")
         elif mode.startswith("gad") and setup.nar_drafter is None:
@@ -144,6 +157,19 @@ def available_modes(setup: BenchSetup, requested: Sequence[str]) -> list[str]:
     modes = list(dict.fromkeys(modes))
     # references first: each batch is decoded by the modes in this order, and others are compared with them
     return sorted(modes, key=lambda mode: mode not in ("greedy", "greedy_int8"))
+
+
+def _missing_model(setup: BenchSetup, mode: str) -> str | None:
+    """Why `setup` cannot run a drafter mode (the model it needs is absent), or `None`."""
+    if mode.startswith("heads") and setup.heads_model is None:
+        return "the model has no proposal heads"
+    if mode.startswith("seq_heads") and setup.sequential_heads_model is None:
+        return "no sequential heads (pass --sequential-heads)"
+    if mode.startswith(("feature", "composite")) and setup.feature_model is None:
+        return "no feature drafter (pass --feature-drafter)"
+    if mode == "composite" and not _shares_vocabulary(setup.base):
+        return "source and target vocabularies differ"
+    return None
 
 
 def _shares_vocabulary(model: nn.Module) -> bool:
@@ -242,6 +268,9 @@ def mode_runner(mode: str, setup: BenchSetup) -> Runner:
         )
     if mode == "loop":
         return _blockwise_runner(base, limit, custom_generate=blockwise_generate, assistant=None)
+    sized = SIZED_MODE.fullmatch(mode)
+    if sized or mode in ("seq_heads", "feature", "composite"):
+        return _model_drafter_runner(mode, sized, setup)
     if mode in ("heads", "heads_full_vocab", "heads_top2"):
         rule = TopKAcceptance(2) if mode == "heads_top2" else None
         drafter = setup.heads_model.drafter(use_shortlist=mode != "heads_full_vocab")
@@ -255,6 +284,28 @@ def mode_runner(mode: str, setup: BenchSetup) -> Runner:
         rule = GADPlusPlusAcceptance(setup.gad_top_beta, setup.gad_tolerance) if mode == "gad_pp" else None
         return _blockwise_runner(base, limit, custom_generate=blockwise_generate, assistant=drafter, acceptance=rule)
     raise ValueError(f"Unknown mode {mode!r}")
+
+
+def _model_drafter_runner(mode: str, sized: re.Match | None, setup: BenchSetup) -> Runner:
+    """Runners of the trained model drafters: heads, sequential heads, feature drafter (at a block size k and
+    draft threshold when the mode names them), and the composite of source copy and feature drafter."""
+    name, block_size, threshold = mode, None, "config"
+    if sized:
+        name = sized.group(1) or "feature"
+        block_size = int(sized.group(2)) if sized.group(2) else None
+        raw = sized.group(3) or sized.group(4)
+        threshold = float(raw) if raw else None
+    limit = setup.max_new_tokens
+    if name == "heads":
+        return _blockwise_runner(setup.heads_model, limit, assistant=setup.heads_model.drafter(block_size))
+    if name == "seq_heads":
+        model = setup.sequential_heads_model
+        return _blockwise_runner(model, limit, assistant=model.drafter(block_size))
+    feature = setup.feature_model.drafter(block_size=block_size, threshold=threshold)
+    if name == "composite":
+        copy = InputCopyDrafter(setup.base, max_draft_length=setup.iad_max_draft_length)
+        feature = CompositeDrafter(copy, feature)
+    return _blockwise_runner(setup.base, limit, custom_generate=blockwise_generate, assistant=feature)
 
 
 def run_bench(
@@ -309,6 +360,8 @@ def block_widths(setup: BenchSetup, modes: Sequence[str]) -> dict[str, int]:
         oracle = ORACLE_MODE.fullmatch(mode)
         if oracle:
             widths[mode] = int(oracle.group(1))
+        elif SIZED_MODE.fullmatch(mode) and SIZED_MODE.fullmatch(mode).group(2):
+            widths[mode] = int(SIZED_MODE.fullmatch(mode).group(2))
         elif mode.startswith("heads") and setup.heads_model is not None:
             widths[mode] = setup.heads_model.blockwise_config.block_size
         elif mode.startswith("gad") and setup.nar_drafter is not None:

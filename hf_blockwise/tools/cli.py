@@ -14,7 +14,9 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from hf_blockwise.drafters.nar import NAR_CONFIG_NAME, NonAutoregressiveDrafter
-from hf_blockwise.modeling.config import CONFIG_NAME
+from hf_blockwise.generation.loop import blockwise_generate
+from hf_blockwise.modeling.config import CONFIG_NAME, FEATURE_DRAFTER_CONFIG_NAME
+from hf_blockwise.modeling.feature_model import FeatureDrafterModel
 from hf_blockwise.modeling.model import BlockwiseHeadsModel
 from hf_blockwise.modeling.quantization import quantize_dynamic_int8
 from hf_blockwise.serialization import atomic_write_text
@@ -24,6 +26,8 @@ from hf_blockwise.tools.bench import (
     FAST_PATH_MODES,
     LOOP_MODES,
     MODE_NAMES,
+    ORACLE_MODE,
+    SIZED_MODE,
     BenchSetup,
     decoder_cost_curve,
     plot_cost_curve,
@@ -56,9 +60,14 @@ def run_demo(
     threads: int | None,
     max_new_tokens: int = 128,
     int8: bool = False,
+    drafter: str = "best",
 ) -> int:
-    """Greedy and blockwise (the model's heads) side by side, one sentence at a time, through the measurement
-    harness; prints each pair of outputs, whether they are identical, the mean accepted block and the speedup.
+    """Greedy and blockwise side by side, one sentence at a time, through the measurement harness; prints each
+    pair of outputs, whether they are identical, the mean accepted block and the speedup.
+
+    Args:
+        drafter (`str`): `"heads"` (the model's proposal heads), `"feature"` (its `feature-drafter/`), or `"best"`:
+            the feature drafter when the model ships one, else the heads.
 
     Returns:
         `int`: 0 when every output is identical to greedy's, else 1 (the exit status).
@@ -74,15 +83,21 @@ def run_demo(
     if int8:
         quantize_dynamic_int8(model)  # greedy below is then the int8 model's greedy too
     base = model.base_model
+    feature_path = _shipped(model_path, FEATURE_DRAFTER_SUBDIR, FEATURE_DRAFTER_CONFIG_NAME)
+    if drafter == "feature" and feature_path is None:
+        raise SystemExit(f"{model_path} ships no {FEATURE_DRAFTER_SUBDIR}/: use --drafter heads")
+    if drafter in ("feature", "best") and feature_path is not None:
+        feature = FeatureDrafterModel.from_pretrained(feature_path, base_model=base).eval()
+        assistant, block_size, name = feature.drafter(), feature.feature_config.block_size, "feature drafter"
+    else:
+        assistant, block_size, name = model.drafter(), model.blockwise_config.block_size, "proposal heads"
     precision = "int8" if int8 else "fp32"
-    print(
-        f"model: {model_path} (block size k={model.blockwise_config.block_size}, {precision}), "
-        f"{torch.get_num_threads()} threads, batch 1"
-    )
+    print(f"model: {model_path} ({name}, k={block_size}, {precision}), {torch.get_num_threads()} threads, batch 1")
     runners = {
         "greedy": lambda batch, _: base.generate(**batch, do_sample=False, num_beams=1, max_new_tokens=max_new_tokens),
-        "blockwise": lambda batch, _: model.generate(
-            **batch, max_new_tokens=max_new_tokens, return_dict_in_generate=True
+        "blockwise": lambda batch, _: base.generate(
+            **batch, custom_generate=blockwise_generate, assistant=assistant, max_new_tokens=max_new_tokens,
+            return_dict_in_generate=True,
         ),
     }  # fmt: skip
     batches = [dict(tokenizer([sentence], return_tensors="pt")) for sentence in sentences]
@@ -106,8 +121,10 @@ def run_demo(
     return 0 if blockwise.identical == len(sentences) else 1
 
 
-# where a model directory keeps its non-autoregressive drafter, if it ships one
+# where a model directory keeps its other drafters, if it ships them
 NAR_DRAFTER_SUBDIR = "nar-drafter"
+FEATURE_DRAFTER_SUBDIR = "feature-drafter"
+SEQUENTIAL_HEADS_SUBDIR = "sequential-heads"
 # `--model-config` runs: sources of this many random token ids, and these defaults
 MODEL_CONFIG_SOURCE_LENGTH = 20
 MODEL_CONFIG_SENTENCES = 8
@@ -121,9 +138,12 @@ def load_for_bench(
     max_new_tokens: int,
     iad_max_draft_length: int = 32,
     nar_drafter_path: str | None = None,
+    feature_drafter_path: str | None = None,
+    sequential_heads_path: str | None = None,
 ) -> BenchSetup:
-    """The bench's setup from a model directory: base (with heads if it has some), tokenizer, assistant model
-    and NAR drafter (`<model>/nar-drafter` when present and none is given)."""
+    """The bench's setup from a model directory: base (with heads if it has some), tokenizer, assistant model,
+    NAR drafter, feature drafter and sequential heads (`<model>/nar-drafter`, `<model>/feature-drafter`,
+    `<model>/sequential-heads` when present and none is given)."""
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     heads_model = None
     if os.path.isfile(os.path.join(model_path, CONFIG_NAME)):
@@ -145,10 +165,27 @@ def load_for_bench(
     nar_drafter = None
     if nar_drafter_path is not None:
         nar_drafter = NonAutoregressiveDrafter.from_pretrained(nar_drafter_path, verifier=base, dtype=torch.float32)
+    feature_drafter_path = feature_drafter_path or _shipped(
+        model_path, FEATURE_DRAFTER_SUBDIR, FEATURE_DRAFTER_CONFIG_NAME
+    )
+    feature_model = None
+    if feature_drafter_path is not None:
+        feature_model = FeatureDrafterModel.from_pretrained(feature_drafter_path, base_model=base).eval()
+    sequential_heads_path = sequential_heads_path or _shipped(model_path, SEQUENTIAL_HEADS_SUBDIR, CONFIG_NAME)
+    sequential_heads_model = None
+    if sequential_heads_path is not None:
+        sequential_heads_model = BlockwiseHeadsModel.from_pretrained(sequential_heads_path, base_model=base).eval()
     return BenchSetup(
         base=base, tokenizer=tokenizer, heads_model=heads_model, assistant_model=assistant,
         max_new_tokens=max_new_tokens, iad_max_draft_length=iad_max_draft_length, nar_drafter=nar_drafter,
+        feature_model=feature_model, sequential_heads_model=sequential_heads_model,
     )  # fmt: skip
+
+
+def _shipped(model_path: str, subdir: str, config_name: str) -> str | None:
+    """`<model_path>/<subdir>` when it holds a saved drafter (its `config_name`), else `None`."""
+    path = os.path.join(model_path, subdir)
+    return path if os.path.isfile(os.path.join(path, config_name)) else None
 
 
 def _sources(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
@@ -182,7 +219,13 @@ def _bench_setup(args: argparse.Namespace) -> tuple[BenchSetup, list, list[str] 
     else:
         sources, references = _sources(args)
         setup = load_for_bench(
-            args.model, args.assistant_model, args.max_new_tokens or 128, args.iad_max_draft_length, args.nar_drafter
+            args.model,
+            args.assistant_model,
+            args.max_new_tokens or 128,
+            args.iad_max_draft_length,
+            args.nar_drafter,
+            args.feature_drafter,
+            args.sequential_heads,
         )
     oracle_block_sizes = args.oracle_block_sizes or (
         MODEL_CONFIG_ORACLE_BLOCK_SIZES if args.model_config else DEFAULT_ORACLE_BLOCK_SIZES
@@ -300,7 +343,12 @@ def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         "--batch-sizes", type=int, nargs="+", default=[1, 16], help="those larger than the sentences are skipped"
     )
     bench.add_argument(
-        "--modes", nargs="+", default=None, choices=MODE_NAMES, help="default: " + " ".join(DEFAULT_MODES)
+        "--modes",
+        nargs="+",
+        default=None,
+        type=_mode_name,
+        help="any of " + " ".join(MODE_NAMES) + ", oracle_k<k>, heads_k<k>, seq_heads_k<k>, feature_k<k>, "
+        "feature_k<k>_t<threshold>, feature_t<threshold>; default: " + " ".join(DEFAULT_MODES),
     )
     bench.add_argument(
         "--fast-path",
@@ -315,6 +363,12 @@ def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         "--nar-drafter",
         default=None,
         help=f"non-autoregressive drafter for the gad modes (default: <model>/{NAR_DRAFTER_SUBDIR} if present)",
+    )
+    bench.add_argument(
+        "--feature-drafter", default=None, help="feature drafter directory (default: <model>/feature-drafter if any)"
+    )
+    bench.add_argument(
+        "--sequential-heads", default=None, help="sequential heads directory (default: <model>/sequential-heads)"
     )
     bench.add_argument("--gad-block-size", type=int, default=None, help="tokens per GAD step (default: trained)")
     bench.add_argument("--gad-top-beta", type=int, default=3, help="GAD++ top-beta")
@@ -340,6 +394,12 @@ def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _mode_name(mode: str) -> str:
+    if mode in MODE_NAMES or ORACLE_MODE.fullmatch(mode) or SIZED_MODE.fullmatch(mode):
+        return mode
+    raise argparse.ArgumentTypeError(f"unknown mode {mode!r}")
+
+
 def _check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if any(k < 2 for k in args.oracle_block_sizes or ()):
         parser.error("--oracle-block-sizes must be >= 2")
@@ -359,6 +419,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--max-new-tokens", type=int, default=128)
     demo.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     demo.add_argument("--int8", action="store_true", help="quantize the base to int8 first (CPU; both modes)")
+    demo.add_argument(
+        "--drafter", choices=("best", "feature", "heads"), default="best",
+        help="best: the shipped feature drafter if the model has one, else its proposal heads",
+    )  # fmt: skip
     demo.add_argument("sentences", nargs="*", help="English sentences to translate (default: built-in examples)")
     bench = commands.add_parser("bench", help="every decoding mode side by side, measured against greedy")
     _add_bench_arguments(bench)
@@ -368,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_bench_command(args)
     if args.command == "demo":
         sentences = args.sentences or DEMO_SENTENCES
-        return run_demo(args.model, sentences, args.repeats, args.threads, args.max_new_tokens, args.int8)
+        return run_demo(args.model, sentences, args.repeats, args.threads, args.max_new_tokens, args.int8, args.drafter)
     return 2
 
 

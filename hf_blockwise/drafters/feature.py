@@ -1,0 +1,259 @@
+"""`FeatureDrafter`: autoregressive drafts from a feature-level drafter (EAGLE-style) for seq2seq models.
+
+Per step, the drafter first takes in what the last verification pass established: for every newly verified
+position p, the base's state h_p (at its output projection) and the token verified after it. Those enter the
+drafter's own key/value cache, laid out per row (rows verify different numbers of tokens). Its output at each
+row's last verified position predicts the state that follows, hence the first draft; each draft is then fed
+back with the predicted state to draft the next, up to `block_size - 1`, and a row stops early when the
+drafter's probability of its next token falls below `threshold`. Drafted positions never enter the cache:
+the next verification pass supplies the true states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hf_blockwise.boundary import output_projection_logits, shortlist_projection
+from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts, VerifiedStates
+from hf_blockwise.drafters.heads import ShortlistProjection
+from hf_blockwise.modeling.feature_layer import AttentionMemory
+
+if TYPE_CHECKING:
+    from hf_blockwise.modeling.feature_model import FeatureDrafterModel
+
+
+@dataclass
+class FeatureDraftCache:
+    """The drafter's per-call state: its key/value cache and the encoder memory, grown and row-selected in place
+    of a stateful drafter (the decoder's own cache is handled the same way).
+
+    Attributes:
+        keys, values (`torch.Tensor` of shape `(num_rows, num_heads, capacity, head_size)`, *optional*): entries
+            of verified positions 0..length-1; `None` before the first step.
+        lengths (`torch.LongTensor` of shape `(num_rows,)`, *optional*): verified positions held per row.
+        filled (`int`): positions written in the last step (every row's length is at most this).
+        backlog (`list[VerifiedStates]`): verifications observed but not yet taken in ([`FeatureDrafter.observe`]).
+        encoder (`AttentionMemory`, *optional*): cross-attention keys and values of the encoder output.
+        projection ([`ShortlistProjection`], *optional*): the output projection's shortlist rows.
+    """
+
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
+    encoder: AttentionMemory | None = None
+    encoder_ready: bool = False
+    filled: int = 0
+    projection: ShortlistProjection | None = None
+    backlog: list[VerifiedStates] = field(default_factory=list)
+
+
+class FeatureDrafter(Drafter):
+    """Drafts with a [`FeatureDrafterModel`]: one small decoder layer run autoregressively on predicted states.
+
+    Args:
+        model ([`FeatureDrafterModel`]): the base with its trained drafter.
+        block_size (`int`, *optional*): k; up to `block_size - 1` drafts per row and step (default: the config's).
+        threshold (`float`, *optional*): a row stops drafting when the drafter's probability of its next draft is
+            below this, so the verification pass does not pay for tokens likely to be rejected. `None` always
+            drafts `block_size - 1`. Deciding when every row has stopped reads the device once per draft.
+        use_shortlist (`bool`, defaults to `True`): draft among the model's shortlist, if it has one.
+    """
+
+    reads_decoder_states = True
+
+    def __init__(
+        self,
+        model: FeatureDrafterModel,
+        block_size: int | None = None,
+        threshold: float | None = None,
+        use_shortlist: bool = True,
+    ) -> None:
+        block_size = model.feature_config.block_size if block_size is None else block_size
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
+            raise ValueError(f"block_size must be an int >= 2, got {block_size!r}")
+        if threshold is not None and not 0.0 <= threshold < 1.0:
+            raise ValueError(f"threshold must be in [0, 1) or None, got {threshold!r}")
+        self.model = model
+        self.block_size = block_size
+        self.threshold = threshold
+        self.use_shortlist = use_shortlist
+
+    def prepare(self, encoder_input_ids: torch.Tensor | None, encoder_attention_mask: torch.Tensor | None) -> Any:
+        shortlist = self.model.layer.shortlist if self.use_shortlist else None
+        projection = None
+        if shortlist is not None:
+            weight, bias = shortlist_projection(self.model.base_model, shortlist)
+            projection = ShortlistProjection(token_ids=shortlist, weight=weight, bias=bias)
+        return FeatureDraftCache(projection=projection)
+
+    def select_rows(self, drafter_state: FeatureDraftCache, rows: torch.Tensor) -> FeatureDraftCache:
+        def pick(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor.index_select(0, rows)
+
+        encoder = drafter_state.encoder
+        if encoder is not None:
+            encoder = AttentionMemory(pick(encoder.keys), pick(encoder.values), pick(encoder.mask))
+        return FeatureDraftCache(
+            keys=pick(drafter_state.keys),
+            values=pick(drafter_state.values),
+            lengths=pick(drafter_state.lengths),
+            encoder=encoder,
+            encoder_ready=drafter_state.encoder_ready,
+            filled=drafter_state.filled,
+            projection=drafter_state.projection,
+            backlog=[
+                VerifiedStates(entry.states.index_select(0, rows), entry.start, entry.num_valid.index_select(0, rows))
+                for entry in drafter_state.backlog
+            ],
+        )
+
+    def observe(self, request: DraftRequest) -> None:
+        """Keeps the verification's states for later: taking them in costs a layer pass, which a step whose drafts
+        come from elsewhere does not need; the next [`get_candidates`] takes in every kept one in a single pass."""
+        if request.verified_states is not None:
+            request.drafter_state.backlog.append(request.verified_states)
+
+    def get_candidates(self, request: DraftRequest) -> Drafts:
+        batch_size, device = request.lengths.shape[0], request.lengths.device
+        verified, cache = request.verified_states, request.drafter_state
+        if verified is None:  # before the first verification there are no states to read
+            return Drafts.empty(batch_size, device)
+        if cache.backlog:
+            verified = merge_verified([*cache.backlog, verified])
+            cache.backlog = []
+        layer = self.model.layer
+        if not cache.encoder_ready:
+            if request.encoder_hidden_states is not None:
+                cache.encoder = layer.encoder_memory(request.encoder_hidden_states, request.encoder_attention_mask)
+            cache.encoder_ready = True
+        # the step's one host read: how many verified columns to take in, and how many drafts any row can use
+        width, most_drafts = torch.stack([verified.num_valid.max(), request.max_drafts.max()]).tolist()
+        predicted = self._take_in(
+            request.sequences, verified, cache, width
+        )  # (b, d): the state after each row's last verified token
+        limit = min(self.block_size - 1, most_drafts)
+        if limit <= 0:
+            return Drafts.empty(batch_size, device)
+        # drafted positions: each row's verified cache, then this step's drafts, written after every row's entries
+        positions = torch.arange(cache.filled + limit, device=device)
+        visible = (positions[None, :] < cache.lengths[:, None]) | (positions[None, :] >= cache.filled)  # (b, F + n)
+        tokens, lengths = [], None
+        alive = torch.ones(batch_size, dtype=torch.bool, device=device)
+        for index in range(limit):
+            token, probability = self._choose(predicted, cache)  # (b,), (b,) or None
+            tokens.append(token)
+            if probability is not None:
+                alive = alive & (probability >= self.threshold)
+                lengths = alive.long() if lengths is None else lengths + alive.long()
+                if not bool(alive.any()):  # the draft loop's one host read per draft, with a threshold only
+                    break
+            if index + 1 < limit:
+                predicted = self._draft_next(predicted, token, cache, index, visible[:, : cache.filled + index + 1])
+        drafted = torch.stack(tokens, dim=1)  # (b, n)
+        if lengths is None:
+            lengths = torch.full((batch_size,), drafted.shape[1], dtype=torch.long, device=device)
+        return Drafts(tokens=drafted, lengths=lengths)
+
+    def _take_in(
+        self, sequences: torch.Tensor, verified: VerifiedStates, cache: FeatureDraftCache, width: int
+    ) -> torch.Tensor:
+        """Feeds the newly verified positions into the cache; returns the prediction at each row's last one.
+
+        The verified chunk starts at position `start` for every row, and every row's cache already holds at
+        least `start` positions, so the chunk's queries see the cache before `start` and the chunk causally.
+        """
+        layer = self.model.layer
+        # only the verified columns: a pass that rejected most of a long draft (source copy) fed many more
+        states = verified.states[:, :width].to(layer.out.weight.dtype)  # (b, W, d)
+        start = verified.start
+        columns = torch.arange(width, device=states.device)
+        follow = sequences[:, (start + 1 + columns).clamp(max=sequences.shape[1] - 1)]  # (b, W)
+        inputs = layer.inputs(states, self.model.token_embeddings(follow))  # (b, W, d)
+        fresh, normed = layer.self_memory(inputs)  # (b, H, W, dh)
+        self._store(cache, fresh, start, room=self.block_size)
+        causal = columns[None, :] <= columns[:, None]  # (W, W)
+        mask = torch.cat([causal.new_ones(width, start), causal], dim=1)  # (W, start + W)
+        memory = AttentionMemory(cache.keys[:, :, : start + width], cache.values[:, :, : start + width], mask)
+        predicted = layer(inputs, normed, memory, cache.encoder)  # (b, W, d)
+        cache.lengths = start + verified.num_valid  # (b,)
+        cache.filled = start + width
+        last = (verified.num_valid - 1).clamp(min=0)
+        return predicted[torch.arange(predicted.shape[0], device=predicted.device), last]  # (b, d)
+
+    @staticmethod
+    def _store(cache: FeatureDraftCache, fresh: AttentionMemory, start: int, room: int) -> None:
+        """Writes the chunk's keys and values at positions start.., growing the buffers when needed so that `room`
+        more entries (this step's drafts) fit after them."""
+        end = start + fresh.keys.shape[2]
+        if cache.keys is None or cache.keys.shape[2] < end + room:
+            capacity = max(end + room, 2 * (0 if cache.keys is None else cache.keys.shape[2]), 32)
+            shape = (*fresh.keys.shape[:2], capacity, fresh.keys.shape[3])
+            keys, values = fresh.keys.new_zeros(shape), fresh.values.new_zeros(shape)
+            if cache.keys is not None:
+                keys[:, :, :start] = cache.keys[:, :, :start]
+                values[:, :, :start] = cache.values[:, :, :start]
+            cache.keys, cache.values = keys, values
+        cache.keys[:, :, start:end] = fresh.keys
+        cache.values[:, :, start:end] = fresh.values
+
+    def _choose(self, predicted: torch.Tensor, cache: FeatureDraftCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft token per row from predicted states (shape `(b, d)`), and its probability with a threshold."""
+        projection = cache.projection
+        if projection is None:
+            logits = output_projection_logits(self.model.base_model, predicted)  # (b, V)
+            token = logits.argmax(dim=-1)
+        else:
+            logits = torch.nn.functional.linear(
+                predicted.to(projection.weight.dtype), projection.weight, projection.bias
+            )
+            token = projection.token_ids[logits.argmax(dim=-1)]
+        if self.threshold is None:
+            return token, None
+        return token, logits.float().softmax(dim=-1).amax(dim=-1)
+
+    def _draft_next(
+        self, predicted: torch.Tensor, token: torch.Tensor, cache: FeatureDraftCache, index: int, visible: torch.Tensor
+    ) -> torch.Tensor:
+        """One autoregressive drafting step: the predicted state with its draft token in, the next state out.
+
+        The draft's keys are written at column `filled + index` of the cache, after every row's verified entries
+        (the layer has no positional encoding, so a column is only a slot); the next step's take-in overwrites
+        them. A drafted position attends to its row's verified entries and to this step's drafts up to itself.
+
+        Args:
+            predicted (`torch.Tensor` of shape `(b, d)`), token (`torch.LongTensor` of shape `(b,)`): the last draft.
+            visible (`torch.BoolTensor` of shape `(b, filled + index + 1)`): the slots this draft attends to.
+
+        Returns:
+            `torch.Tensor` of shape `(b, d)`: the predicted state after `token`.
+        """
+        layer = self.model.layer
+        inputs = layer.inputs(predicted, self.model.token_embeddings(token))[:, None]  # (b, 1, d)
+        fresh, normed = layer.self_memory(inputs)  # (b, H, 1, dh)
+        slot = cache.filled + index
+        cache.keys[:, :, slot : slot + 1] = fresh.keys
+        cache.values[:, :, slot : slot + 1] = fresh.values
+        memory = AttentionMemory(
+            cache.keys[:, :, : slot + 1], cache.values[:, :, : slot + 1], visible[:, None, None, :]
+        )
+        return layer(inputs, normed, memory, cache.encoder)[:, 0]
+
+
+def merge_verified(entries: list[VerifiedStates]) -> VerifiedStates:
+    """Several consecutive verifications as one, as if a single pass had produced every state they verified.
+
+    Each verification starts at or before the end of every row's verified run in the one before (the loop crops
+    its cache to the shortest run), so writing their columns in order leaves, at each position before a row's
+    final end, the state of the last verification that verified it.
+    """
+    first = entries[0].start
+    width = max(entry.start + entry.states.shape[1] for entry in entries) - first
+    merged = entries[0].states.new_zeros(entries[0].states.shape[0], width, entries[0].states.shape[2])
+    for entry in entries:
+        offset = entry.start - first
+        merged[:, offset : offset + entry.states.shape[1]] = entry.states
+    last = entries[-1]
+    return VerifiedStates(states=merged, start=first, num_valid=last.start - first + last.num_valid)

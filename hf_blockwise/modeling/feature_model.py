@@ -1,0 +1,343 @@
+"""`FeatureDrafterModel`: a seq2seq base plus a feature-level drafter (EAGLE-style), saved like an adapter."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModelForSeq2SeqLM, PreTrainedModel
+from transformers.utils import ModelOutput
+
+from hf_blockwise import boundary as hf
+from hf_blockwise.boundary import BaseModelWrapper, base_location, output_projection_logits, resolve_file
+from hf_blockwise.drafters.feature import FeatureDrafter
+from hf_blockwise.generation.loop import blockwise_generate
+from hf_blockwise.modeling.config import FEATURE_DRAFTER_CONFIG_NAME, FeatureDrafterConfig
+from hf_blockwise.modeling.feature_layer import AttentionMemory, FeatureDrafterLayer, unrolled_mask
+from hf_blockwise.modeling.model import check_batch_not_empty
+from hf_blockwise.serialization import atomic_write
+
+FEATURE_DRAFTER_WEIGHTS_NAME = "feature_drafter.safetensors"
+_OWN_DRAFTER = object()
+
+
+@dataclass
+class FeatureDrafterOutput(ModelOutput):
+    """Output of [`FeatureDrafterModel.forward`] with labels.
+
+    Attributes:
+        feature_losses (`torch.FloatTensor` of shape `(depth,)`): per unrolled drafting step, the smooth-L1
+            distance of the predicted state to the base's, both divided by the base state's RMS.
+        token_losses (`torch.FloatTensor` of shape `(depth,)`): per step, cross-entropy of the projected
+            prediction against the base's greedy token.
+        token_accuracies (`torch.FloatTensor` of shape `(depth,)`): per step, top-1 agreement with the base's
+            greedy token (teacher-forced acceptance rate of the i-th draft); no gradient.
+    """
+
+    feature_losses: torch.Tensor | None = None
+    token_losses: torch.Tensor | None = None
+    token_accuracies: torch.Tensor | None = None
+
+
+def drafter_signature(base_model: nn.Module) -> dict[str, Any]:
+    """What a feature drafter must agree with: model type and the widths it reads and writes."""
+    projection = base_model.get_output_embeddings()
+    vocab_size, hidden_size = projection.weight.shape
+    return {
+        "base_model_type": base_model.config.model_type,
+        "hidden_size": hidden_size,
+        "embedding_size": hf.decoder_input_embeddings(base_model).weight.shape[1],
+        "encoder_hidden_size": hf.encoder_hidden_size(base_model),
+        "vocab_size": vocab_size,
+    }
+
+
+def check_drafter_fits(config: FeatureDrafterConfig, base_model: nn.Module) -> None:
+    """Raises a `ValueError` naming both sides when the drafter was made for a different kind of base, and warns
+    when it names another base checkpoint than the one it is attached to."""
+    mismatches = [
+        f"{key}: drafter expects {getattr(config, key)!r}, base has {value!r}"
+        for key, value in drafter_signature(base_model).items()
+        if getattr(config, key) is not None and getattr(config, key) != value
+    ]
+    if mismatches:
+        raise ValueError(
+            f"This feature drafter (made for base {config.base_model_name_or_path!r}) does not fit the base model "
+            f"{hf.model_name(base_model)!r}: " + "; ".join(mismatches)
+        )
+
+
+class FeatureDrafterModel(BaseModelWrapper):
+    """A transformers seq2seq model with a feature-level drafter: one decoder layer that reads the base's decoder
+    state at its output projection and the embedding of the token chosen from it, cross-attends to the base's
+    encoder output, and predicts the next state; the base's own output projection turns it into a draft.
+
+    The base is held unchanged and frozen: decoding with exact acceptance returns the base's greedy output.
+
+    Args:
+        base_model ([`PreTrainedModel`]): any `AutoModelForSeq2SeqLM` whose output projection is its
+            `get_output_embeddings()`.
+        config ([`FeatureDrafterConfig`], *optional*): drafter settings; base-specific fields are filled in here.
+
+    Example:
+
+    ```python
+    >>> model = FeatureDrafterModel.from_pretrained("hf_blockwise/pretrained/multi30k-en-de/feature-drafter")
+    >>> out = model.generate(**tokenizer(["A dog runs."], return_tensors="pt"), max_new_tokens=64)
+    ```
+    """
+
+    def __init__(self, base_model: PreTrainedModel, config: FeatureDrafterConfig | None = None) -> None:
+        super().__init__()
+        hf.encoder_decoder_only(base_model)
+        hf.check_output_projection(base_model)
+        config = FeatureDrafterConfig() if config is None else config
+        check_drafter_fits(config, base_model)
+        signature = drafter_signature(base_model)
+        hidden_size = signature["hidden_size"]
+        self.feature_config = replace(
+            config,
+            **signature,
+            num_attention_heads=config.num_attention_heads or max(1, hidden_size // 64),
+            ffn_size=config.ffn_size or hf.decoder_ffn_width(hf.decoder_config(base_model.config)),
+            base_model_name_or_path=config.base_model_name_or_path or getattr(base_model, "name_or_path", None) or None,
+        )
+        self.base_model = base_model
+        self.base_model.requires_grad_(False)
+        fc = self.feature_config
+        self.layer = FeatureDrafterLayer(
+            hidden_size,
+            fc.embedding_size,
+            fc.num_attention_heads,
+            fc.ffn_size,
+            fc.encoder_hidden_size if fc.cross_attention else None,
+            fc.shortlist_size,
+        )
+        projection = base_model.get_output_embeddings().weight
+        self.layer.to(device=projection.device, dtype=projection.dtype)
+
+    @property
+    def config(self):
+        """The base model's config (as PEFT's `PeftModel`); the drafter's own is `feature_config`."""
+        return self.base_model.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.base_model.device
+
+    @property
+    def generation_config(self):
+        return self.base_model.generation_config
+
+    def token_embeddings(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The base decoder's input embeddings of `token_ids` (shape `(...)` -> `(..., embedding_size)`)."""
+        return hf.decoder_input_embeddings(self.base_model)(token_ids)
+
+    def drafter(
+        self, block_size: int | None = None, threshold: float | str | None = "config", use_shortlist: bool = True
+    ) -> FeatureDrafter:
+        """The [`FeatureDrafter`] that drafts with this model; `threshold="config"` takes the config's."""
+        threshold = self.feature_config.draft_threshold if threshold == "config" else threshold
+        return FeatureDrafter(self, block_size=block_size, threshold=threshold, use_shortlist=use_shortlist)
+
+    def set_shortlist(self, token_ids: torch.Tensor | None) -> None:
+        """Restricts drafts to `token_ids` (e.g. [`frequent_tokens`] of the training targets); `None` removes it.
+        Verification keeps the whole vocabulary, so the output does not change."""
+        if token_ids is None:
+            self.layer.shortlist = None
+            self.feature_config = replace(self.feature_config, shortlist_size=None)
+            return
+        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+        vocab_size = self.feature_config.vocab_size
+        if (
+            ids.numel() == 0
+            or int(ids.min()) < 0
+            or int(ids.max()) >= vocab_size
+            or ids.unique().numel() != ids.numel()
+        ):
+            raise ValueError(f"A shortlist needs at least one id, unique and within [0, {vocab_size})")
+        self.layer.register_buffer("shortlist", ids.to(self.layer.out.weight.device))
+        self.feature_config = replace(self.feature_config, shortlist_size=int(ids.numel()))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> FeatureDrafterOutput:
+        """Teacher-forced base pass, then `training_depth` unrolled drafting steps ("training-time test").
+
+        Step 0 reads the base's true states; step i reads the states step i - 1 predicted, so the i-th draft
+        of a decoding step is trained on what it sees at inference. Targets are the base's own next state and
+        greedy token, so any target text works, and the base's own greedy outputs (self-distillation) match
+        inference best.
+
+        Args:
+            input_ids (`torch.LongTensor` of shape `(batch_size, source_length)`).
+            labels (`torch.LongTensor` of shape `(batch_size, target_length)`): -100 marks padding.
+        """
+        if labels is None:
+            raise ValueError("FeatureDrafterModel.forward trains the drafter and needs labels")
+        with torch.no_grad(), hf.capture_output_projection_input(self.base_model) as captured:
+            outputs = self.base_model(
+                input_ids=input_ids, attention_mask=attention_mask, labels=labels, return_dict=True, **kwargs
+            )
+        states = captured[-1].detach().to(self.layer.out.weight.dtype)  # (B, T, d): h_p predicts token p + 1
+        greedy = outputs.logits.argmax(dim=-1)  # (B, T): the base's choice from each state
+        # position p's input pairs h_p with the token fed at p + 1 (the label at p), as at inference
+        embedded = self.token_embeddings(labels.clamp(min=0))  # (B, T, e)
+        valid = labels[:, 1:] != -100  # (B, T-1): position p's target state h_{p+1} and token exist
+        encoder = self.layer.encoder_memory(outputs.encoder_last_hidden_state, attention_mask)
+        length = states.shape[1]
+        targets, target_tokens = states[:, 1:], greedy[:, 1:]
+        scale = targets.float().pow(2).mean(dim=-1, keepdim=True).sqrt().clamp(min=1e-6)  # (B, T-1, 1)
+        memories: list[AttentionMemory] = []
+        read = states
+        feature_losses, token_losses, accuracies = [], [], []
+        for step in range(self.feature_config.training_depth):
+            inputs = self.layer.inputs(read, embedded)  # (B, T, d)
+            fresh, normed = self.layer.self_memory(inputs)
+            memories.append(fresh)
+            memory = AttentionMemory(
+                torch.cat([m.keys for m in memories], dim=2),
+                torch.cat([m.values for m in memories], dim=2),
+                unrolled_mask(length, step, states.device),
+            )
+            predicted = self.layer(inputs, normed, memory, encoder)  # (B, T, d): prediction of h_{p+1}
+            step_valid = valid.clone()
+            step_valid[:, :step] = False  # position p of step i needs a verified position p - i >= 0
+            feature_loss, token_loss, accuracy = self._step_losses(
+                predicted[:, :-1], targets, scale, target_tokens, step_valid
+            )
+            feature_losses.append(feature_loss)
+            token_losses.append(token_loss)
+            accuracies.append(accuracy)
+            # the next step reads, at p, the state this step predicted for p
+            read = torch.cat([predicted.new_zeros(predicted[:, :1].shape), predicted[:, :-1]], dim=1)
+        return FeatureDrafterOutput(
+            feature_losses=torch.stack(feature_losses),
+            token_losses=torch.stack(token_losses),
+            token_accuracies=torch.stack(accuracies),
+        )
+
+    def _step_losses(
+        self,
+        predicted: torch.Tensor,
+        targets: torch.Tensor,
+        scale: torch.Tensor,
+        target_tokens: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Feature loss, token loss and accuracy of one unrolled step over its valid positions."""
+        if not bool(valid.any()):  # targets too short for this step: keep the graph connected, no signal
+            zero = predicted.sum() * 0.0
+            return zero, zero, torch.zeros((), device=predicted.device)
+        feature_loss = nn.functional.smooth_l1_loss(
+            (predicted.float() / scale)[valid], (targets.float() / scale)[valid]
+        )
+        logits = output_projection_logits(self.base_model, predicted[valid].to(targets.dtype)).float()  # (N, V)
+        token_loss = nn.functional.cross_entropy(logits, target_tokens[valid])
+        accuracy = (logits.detach().argmax(dim=-1) == target_tokens[valid]).float().mean()
+        return feature_loss, token_loss, accuracy
+
+    @torch.no_grad()
+    def generate(self, *args: Any, assistant: Any = _OWN_DRAFTER, acceptance: Any = None, **kwargs: Any):
+        """The base model's `generate`, decoded blockwise with this model's feature drafter.
+
+        Takes every argument of transformers' `generate`. `assistant=None` runs the base model's own greedy
+        `generate`; another [`Drafter`] replaces the feature drafter.
+        """
+        check_batch_not_empty(args, kwargs)
+        if assistant is None:
+            return self.base_model.generate(*args, **kwargs)
+        drafter = self.drafter() if assistant is _OWN_DRAFTER else assistant
+        return self.base_model.generate(
+            *args, custom_generate=blockwise_generate, assistant=drafter, acceptance=acceptance, **kwargs
+        )
+
+    def save_pretrained(
+        self, save_directory: str | os.PathLike, base_model_name_or_path: str | None = None, dtype=None
+    ) -> None:
+        """Writes `feature_drafter_config.json` and `feature_drafter.safetensors` (the drafter's weights only),
+        atomically. `base_model_name_or_path` records another base location (e.g. a hub name)."""
+        os.makedirs(save_directory, exist_ok=True)
+        tensors = {
+            name: tensor.detach().to(dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype)
+            for name, tensor in self.layer.state_dict().items()
+        }
+        tensors = {name: tensor.contiguous().cpu() for name, tensor in tensors.items()}
+        atomic_write(
+            os.path.join(save_directory, FEATURE_DRAFTER_WEIGHTS_NAME),
+            lambda path: save_file(tensors, path, metadata={"format": "pt"}),
+        )
+        config = self.feature_config
+        if base_model_name_or_path is not None:
+            config = replace(config, base_model_name_or_path=base_model_name_or_path)
+        config.save_pretrained(save_directory)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        drafter_name_or_path: str | os.PathLike,
+        base_model: PreTrainedModel | None = None,
+        **base_model_kwargs: Any,
+    ) -> FeatureDrafterModel:
+        """Loads a drafter saved by [`save_pretrained`] and attaches it to a base model.
+
+        Args:
+            drafter_name_or_path: local directory or hub repository holding the drafter.
+            base_model: the base to attach it to (e.g. `heads_model.base_model`); by default the checkpoint named
+                in the config is loaded with `AutoModelForSeq2SeqLM.from_pretrained(name, **base_model_kwargs)`,
+                a relative name being looked up beside the drafter first.
+        """
+        config = FeatureDrafterConfig.from_json_file(resolve_file(drafter_name_or_path, FEATURE_DRAFTER_CONFIG_NAME))
+        location = None
+        if config.base_model_name_or_path is not None:
+            location = base_location(drafter_name_or_path, config.base_model_name_or_path)
+            if os.path.isdir(location):  # re-saved drafters must name a base that resolves from anywhere
+                location = os.path.abspath(location)
+            config = replace(config, base_model_name_or_path=location)
+        if base_model is None:
+            if location is None:
+                raise ValueError(f"{drafter_name_or_path} names no base checkpoint; pass base_model= explicitly")
+            base_model = AutoModelForSeq2SeqLM.from_pretrained(location, **base_model_kwargs)
+        else:
+            _warn_if_other_base(location, base_model)
+        model = cls(hf.unwrap_base(base_model), config)
+        path = resolve_file(drafter_name_or_path, FEATURE_DRAFTER_WEIGHTS_NAME)
+        try:
+            tensors = load_file(path)
+        except (SafetensorError, OSError) as error:
+            raise ValueError(f"Cannot read drafter weights from {path}: {error}. The file is corrupt") from error
+        expected = {name: tuple(tensor.shape) for name, tensor in model.layer.state_dict().items()}
+        found = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
+        if found != expected:
+            raise ValueError(f"Drafter weights in {path} do not match its config: expected {expected}, found {found}")
+        model.layer.load_state_dict(tensors)
+        return model
+
+
+def _warn_if_other_base(recorded: str | None, base_model: nn.Module) -> None:
+    """Same shapes are not the same model: a drafter trained on another checkpoint drafts poorly (still exact).
+
+    Local directories are compared by their real paths, hub names as written."""
+    actual = getattr(hf.unwrap_base(base_model), "name_or_path", "") or ""
+    if not recorded or not actual:
+        return
+    if os.path.isdir(recorded) and os.path.isdir(actual):
+        same = os.path.realpath(recorded) == os.path.realpath(actual)
+    else:
+        same = recorded.rstrip("/") == actual.rstrip("/")
+    if not same:
+        warnings.warn(
+            f"This feature drafter was trained for base {recorded!r} and is attached to {actual!r}: decoding stays "
+            "exact, but its drafts will rarely be accepted unless the two are the same model",
+            stacklevel=3,
+        )

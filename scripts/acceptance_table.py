@@ -1,0 +1,119 @@
+"""Stern et al.'s Table 1, for this package's drafters: accepted tokens per decoder call at k = 2..10, with speedups.
+
+Rows: Stern's heads, sequential (Hydra-style) heads and the feature drafter of a shipped model, each at every
+block size k it supports (heads: up to their trained k; the feature drafter drafts autoregressively, so any k),
+plus the oracle (greedy's own output as drafts: the loop's ceiling). Every cell comes from one bench run
+(`hf_blockwise.tools.bench.run_bench`: same sentences, batch 1, modes interleaved per sentence, each timed
+against transformers' greedy in the same run).
+
+    python scripts/acceptance_table.py --model hf_blockwise/pretrained/multi30k-en-de --sentences 300 \
+        --out docs/acceptance_table.md
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hf_blockwise.serialization import atomic_write_text
+from hf_blockwise.tools.arguments import parse_dataclass_args
+from hf_blockwise.tools.bench import run_bench
+from hf_blockwise.tools.cli import load_for_bench
+
+DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@dataclass
+class AcceptanceTableArguments:
+    model: str = field(default="hf_blockwise/pretrained/multi30k-en-de", metadata={"help": "shipped model dir"})
+    sources: str = field(default=str(DATA_DIR / "multi30k" / "test_2016_flickr.en.gz"))
+    sentences: int = field(default=300, metadata={"help": "first N sources"})
+    block_sizes: list[int] = field(default_factory=lambda: list(range(2, 11)), metadata={"help": "k values"})
+    threads: int = field(default=2)
+    max_new_tokens: int = field(default=128)
+    out: str = field(default="docs/acceptance_table.md")
+
+
+def read_sources(path: str, count: int) -> list[str]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as handle:
+        return [line.strip() for line, _ in zip(handle, range(count), strict=False)]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_dataclass_args(AcceptanceTableArguments, argv, __doc__.split("\n", 1)[0])
+    torch.set_num_threads(args.threads)
+    setup = load_for_bench(args.model, None, args.max_new_tokens)
+    rows: dict[str, list[int]] = {"oracle": list(args.block_sizes)}
+    if setup.heads_model is not None:
+        rows["heads"] = [k for k in args.block_sizes if k <= setup.heads_model.blockwise_config.block_size]
+    if setup.sequential_heads_model is not None:
+        trained = setup.sequential_heads_model.blockwise_config.block_size
+        rows["seq_heads"] = [k for k in args.block_sizes if k <= trained]
+    if setup.feature_model is not None:
+        rows["feature"] = list(args.block_sizes)
+    modes = ["greedy"] + [f"{row}_k{k}" for row, sizes in rows.items() if row != "oracle" for k in sizes]
+    modes += ["oracle"]
+    setup = dataclasses.replace(setup, oracle_block_sizes=tuple(rows["oracle"]))
+    started = time.time()
+    results = run_bench(setup, read_sources(args.sources, args.sentences), None, modes, [1])
+    by_mode = {result.mode: result for result in results}
+    header = "| drafter | " + " | ".join(f"k={k}" for k in args.block_sizes) + " |"
+    lines = [header, "|---|" + "---|" * len(args.block_sizes)]
+    names = {
+        "oracle": "oracle (ceiling)",
+        "heads": "Stern heads",
+        "seq_heads": "sequential heads",
+        "feature": "feature drafter",
+    }
+    for row, sizes in rows.items():
+        cells = []
+        for k in args.block_sizes:
+            result = by_mode.get(f"oracle_k{k}" if row == "oracle" else f"{row}_k{k}")
+            if k not in sizes or result is None:
+                cells.append("")
+            else:
+                identical = "" if result.identical == result.compared else f" ({result.identical} identical)"
+                cells.append(f"{result.mean_accepted:.2f} ({result.speedup:.2f}x){identical}")
+        lines.append(f"| {names[row]} | " + " | ".join(cells) + " |")
+    text = f"""# Accepted tokens per decoder call at k = 2..10 (Stern et al., Table 1 shape)
+
+Each cell: mean accepted tokens per decoder call (the base's own token included), and in brackets the wall-clock
+speedup over transformers' greedy `generate` in the same run. Exact decoding: every output identical to greedy
+unless a cell says otherwise. Empty: the drafter has fewer heads than k - 1.
+
+- Model: `{args.model}`; first {args.sentences} sentences of `{os.path.basename(args.sources)}`; batch 1;
+  {torch.get_num_threads()} CPU threads; max {args.max_new_tokens} new tokens; run took {time.time() - started:.0f} s.
+- Regenerate: `python scripts/acceptance_table.py --model {args.model} --sentences {args.sentences} --out {args.out}`
+
+{chr(10).join(lines)}
+"""
+    atomic_write_text(args.out, text)
+    atomic_write_text(
+        os.path.splitext(args.out)[0] + ".json",
+        json.dumps(
+            {
+                mode: {
+                    key: value
+                    for key, value in vars(result).items()
+                    if key not in ("texts", "identical_rows", "batch_seconds")
+                }
+                for mode, result in by_mode.items()
+            },
+            indent=2,
+        )
+        + "\n",
+    )
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
