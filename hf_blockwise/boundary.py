@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -540,6 +541,35 @@ def base_location(heads_name_or_path: str | os.PathLike, base_name_or_path: str)
     if not os.path.isabs(base_name_or_path) and os.path.isfile(os.path.join(beside_heads, "config.json")):
         return beside_heads
     return base_name_or_path
+
+
+def resolved_base_location(adapter_name_or_path: str | os.PathLike, base_name_or_path: str | None) -> str | None:
+    """Where an adapter's (heads', drafter's) recorded base is: [`base_location`], made absolute when it is a local
+    directory, so that the adapter re-saved anywhere still names a base that resolves (a bare `"."` would be
+    read against the current directory)."""
+    if base_name_or_path is None:
+        return None
+    location = base_location(adapter_name_or_path, base_name_or_path)
+    return os.path.abspath(location) if os.path.isdir(location) else location
+
+
+def warn_if_other_base(recorded: str | None, base_model: nn.Module, what: str) -> None:
+    """Warns when an adapter trained for one named base is attached to a model loaded from another: same shapes
+    are not the same model, and its drafts would rarely be accepted (decoding stays exact). Local directories are
+    compared by their real paths, hub names as written."""
+    actual = getattr(base_model, "name_or_path", "") or ""
+    if not recorded or not actual:
+        return
+    if os.path.isdir(recorded) and os.path.isdir(actual):
+        same = os.path.realpath(recorded) == os.path.realpath(actual)
+    else:
+        same = recorded.rstrip("/") == actual.rstrip("/")
+    if not same:
+        warnings.warn(
+            f"These {what} were trained for base {recorded!r} and are attached to {actual!r}: decoding stays exact, "
+            "but their drafts will rarely be accepted unless the two are the same model",
+            stacklevel=3,
+        )
 
 
 def has_file(name_or_path: str | os.PathLike, filename: str) -> bool:

@@ -380,3 +380,22 @@ def test_shipped_models_load_as_float32_and_limit_new_tokens(tmp_path) -> None:
         assert AutoModelForSeq2SeqLM.from_pretrained(directory).dtype == torch.float32
         generation = GenerationConfig.from_pretrained(directory)
         assert generation.max_new_tokens is not None and "max_length" not in generation.to_diff_dict()
+
+
+def test_resaved_heads_name_a_base_that_resolves_and_another_base_is_a_warning(tmp_path, monkeypatch) -> None:
+    """Heads shipped inside their base's directory (base "."), loaded and saved elsewhere, still find their base;
+    heads attached to another named checkpoint of the same shapes get a warning, not silence."""
+    base = build_model("marian")
+    base.generation_config.max_length = None
+    shipped = tmp_path / "shipped"
+    base.save_pretrained(shipped)
+    BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3)).save_pretrained(shipped, base_model_name_or_path=".")
+    loaded = BlockwiseHeadsModel.from_pretrained(shipped)
+    loaded.save_pretrained(tmp_path / "resaved")
+    monkeypatch.chdir(tmp_path)  # a relative "." would now point here, where no model is
+    again = BlockwiseHeadsModel.from_pretrained(tmp_path / "resaved")
+    assert os.path.realpath(again.blockwise_config.base_model_name_or_path) == os.path.realpath(shipped)
+    other = build_model("marian", seed=1)
+    other.name_or_path = "some-org/another-marian"
+    with pytest.warns(UserWarning, match="trained for base .* attached to 'some-org/another-marian'"):
+        BlockwiseHeadsModel.from_pretrained(tmp_path / "resaved", base_model=other)

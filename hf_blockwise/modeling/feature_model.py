@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -15,7 +14,7 @@ from transformers import AutoModelForSeq2SeqLM, PreTrainedModel
 from transformers.utils import ModelOutput
 
 from hf_blockwise import boundary as hf
-from hf_blockwise.boundary import BaseModelWrapper, base_location, output_projection_logits, resolve_file
+from hf_blockwise.boundary import BaseModelWrapper, output_projection_logits, resolve_file
 from hf_blockwise.drafters.feature import FeatureDrafter
 from hf_blockwise.generation.loop import blockwise_generate
 from hf_blockwise.modeling.config import FEATURE_DRAFTER_CONFIG_NAME, FeatureDrafterConfig
@@ -298,18 +297,14 @@ class FeatureDrafterModel(BaseModelWrapper):
                 a relative name being looked up beside the drafter first.
         """
         config = FeatureDrafterConfig.from_json_file(resolve_file(drafter_name_or_path, FEATURE_DRAFTER_CONFIG_NAME))
-        location = None
-        if config.base_model_name_or_path is not None:
-            location = base_location(drafter_name_or_path, config.base_model_name_or_path)
-            if os.path.isdir(location):  # re-saved drafters must name a base that resolves from anywhere
-                location = os.path.abspath(location)
-            config = replace(config, base_model_name_or_path=location)
+        location = hf.resolved_base_location(drafter_name_or_path, config.base_model_name_or_path)
+        config = replace(config, base_model_name_or_path=location)
         if base_model is None:
             if location is None:
                 raise ValueError(f"{drafter_name_or_path} names no base checkpoint; pass base_model= explicitly")
             base_model = AutoModelForSeq2SeqLM.from_pretrained(location, **base_model_kwargs)
         else:
-            _warn_if_other_base(location, base_model)
+            hf.warn_if_other_base(location, hf.unwrap_base(base_model), "feature drafter weights")
         model = cls(hf.unwrap_base(base_model), config)
         path = resolve_file(drafter_name_or_path, FEATURE_DRAFTER_WEIGHTS_NAME)
         try:
@@ -322,22 +317,3 @@ class FeatureDrafterModel(BaseModelWrapper):
             raise ValueError(f"Drafter weights in {path} do not match its config: expected {expected}, found {found}")
         model.layer.load_state_dict(tensors)
         return model
-
-
-def _warn_if_other_base(recorded: str | None, base_model: nn.Module) -> None:
-    """Same shapes are not the same model: a drafter trained on another checkpoint drafts poorly (still exact).
-
-    Local directories are compared by their real paths, hub names as written."""
-    actual = getattr(hf.unwrap_base(base_model), "name_or_path", "") or ""
-    if not recorded or not actual:
-        return
-    if os.path.isdir(recorded) and os.path.isdir(actual):
-        same = os.path.realpath(recorded) == os.path.realpath(actual)
-    else:
-        same = recorded.rstrip("/") == actual.rstrip("/")
-    if not same:
-        warnings.warn(
-            f"This feature drafter was trained for base {recorded!r} and is attached to {actual!r}: decoding stays "
-            "exact, but its drafts will rarely be accepted unless the two are the same model",
-            stacklevel=3,
-        )

@@ -19,7 +19,6 @@ from transformers.utils import ModelOutput
 from hf_blockwise import boundary as hf
 from hf_blockwise.boundary import (
     BaseModelWrapper,
-    base_location,
     decoder_ffn_width,
     has_file,
     output_projection_logits,
@@ -338,15 +337,17 @@ class BlockwiseHeadsModel(BaseModelWrapper):
                 model.
         """
         config = BlockwiseConfig.from_json_file(resolve_file(heads_name_or_path, CONFIG_NAME))
+        location = hf.resolved_base_location(heads_name_or_path, config.base_model_name_or_path)
+        config = dataclasses.replace(config, base_model_name_or_path=location)
         if base_model is None:
-            if config.base_model_name_or_path is None:
+            if location is None:
                 raise ValueError(
                     f"{heads_name_or_path} names no base checkpoint (base_model_name_or_path is null); pass "
                     "base_model= explicitly"
                 )
-            base_model = AutoModelForSeq2SeqLM.from_pretrained(
-                base_location(heads_name_or_path, config.base_model_name_or_path), **base_model_kwargs
-            )
+            base_model = AutoModelForSeq2SeqLM.from_pretrained(location, **base_model_kwargs)
+        else:
+            hf.warn_if_other_base(location, hf.unwrap_base(base_model), "proposal heads")
         if has_file(heads_name_or_path, ADAPTER_CONFIG_NAME):
             from peft import PeftModel
 
