@@ -131,9 +131,8 @@ class FeatureDrafter(Drafter):
             cache.encoder_ready = True
         # the step's one host read: how many verified columns to take in, and how many drafts any row can use
         width, most_drafts = torch.stack([verified.num_valid.max(), request.max_drafts.max()]).tolist()
-        predicted = self._take_in(
-            request.sequences, verified, cache, width
-        )  # (b, d): the state after each row's last verified token
+        # (b, d): the predicted state after each row's last verified token
+        predicted = self._take_in(request.sequences, verified, cache, width)
         limit = min(self.block_size - 1, most_drafts)
         if limit <= 0:
             return Drafts.empty(batch_size, device)
