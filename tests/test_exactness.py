@@ -188,3 +188,22 @@ def test_heads_forwards_bound_with_perfect_heads(tiny_models) -> None:
     assert output.sequences[0, 1:].tolist() == [9] * 21
     assert output.decoding_stats.num_forwards == expected_forwards(21, 5, drafts_at_prefill=False)
     assert output.decoding_stats.accepted[:, 0].tolist() == [1, 5, 5, 5, 5]
+
+
+@pytest.mark.parametrize("architecture", ["bart", "marian"])
+def test_drafts_never_reach_positions_greedy_does_not_feed(architecture: str) -> None:
+    """With max_length at the model's position limit, greedy search feeds positions up to max_length - 2 only; the
+    loop must not feed drafts (or filler) beyond them, where a model with learned positions has none."""
+    limit = 14
+    torch.manual_seed(0)
+    template = ARCHITECTURES[architecture]()
+    config = template.config.__class__(**{**template.config.to_dict(), "max_position_embeddings": limit})
+    model = template.__class__(config).eval()
+    model.generation_config.bad_words_ids = None
+    batch = random_batch(model, 3, seed=7, max_source_length=limit)
+    kwargs = {"max_length": limit, "min_new_tokens": limit - 1}  # every row runs to the limit
+    greedy = model.generate(**batch, do_sample=False, num_beams=1, **kwargs)
+    assert greedy.shape[1] == limit
+    drafter = OracleDrafter(greedy, block_size=6, corruption=0.2, seed=1)
+    output = model.generate(**batch, custom_generate=blockwise_generate, assistant=drafter, **kwargs)
+    assert torch.equal(output, greedy)

@@ -36,10 +36,13 @@ _FAR = 1 << 40
 def draft_request(state: DecodingState, setup: DecodingSetup) -> DraftRequest:
     """What the drafter sees: every row's verified tokens and how many drafts it may use this step."""
     pending = state.lengths - state.cache_length  # (b,)
+    # no draft past the last position greedy search feeds (max_length - 2): its token would be cut anyway, and a
+    # model with learned positions may have none there
+    room = setup.stop_rules.max_length - 1 - state.lengths  # (b,)
     return DraftRequest(
         sequences=state.sequences,
         lengths=state.lengths,
-        max_drafts=(setup.block_size - pending).clamp(min=0),
+        max_drafts=torch.minimum(setup.block_size - pending, room).clamp(min=0),
         last_states=state.last_states,
         encoder_input_ids=state.encoder_input_ids,
         encoder_attention_mask=state.encoder_attention_mask,
@@ -59,8 +62,11 @@ def check_drafts(drafts: Drafts, num_rows: int) -> None:
 
 def feed_width(state: DecodingState, setup: DecodingSetup, drafts: Drafts) -> int:
     """Columns of the feed, from host-known numbers only: a row feeds its pending tokens, then at most
-    `block_size - pending` drafts, and never more drafts than the drafter's tokens hold."""
+    `block_size - pending` drafts, never more drafts than the drafter's tokens hold, and no column past the last
+    position greedy search would feed (`max_length - 2`)."""
     with_drafts = min(max(setup.block_size, state.max_pending), state.max_pending + drafts.tokens.shape[1])
+    # filler columns sit at the same positions as other rows' drafts: none past greedy's last fed position either
+    with_drafts = min(with_drafts, setup.stop_rules.max_length - 1 - state.cache_length)
     return max(with_drafts, state.max_pending, 1)
 
 
