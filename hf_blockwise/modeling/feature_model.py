@@ -77,7 +77,8 @@ class FeatureDrafterModel(BaseModelWrapper):
     state at its output projection and the embedding of the token chosen from it, cross-attends to the base's
     encoder output, and predicts the next state; the base's own output projection turns it into a draft.
 
-    The base is held unchanged and frozen: decoding with exact acceptance returns the base's greedy output.
+    The base is held unchanged (its forward runs without gradients; `FeatureDrafterTrainer` also freezes it), so
+    decoding with exact acceptance returns the base's greedy output.
 
     Args:
         base_model ([`PreTrainedModel`]): any `AutoModelForSeq2SeqLM` whose output projection is its
@@ -108,7 +109,6 @@ class FeatureDrafterModel(BaseModelWrapper):
             base_model_name_or_path=config.base_model_name_or_path or getattr(base_model, "name_or_path", None) or None,
         )
         self.base_model = base_model
-        self.base_model.requires_grad_(False)
         fc = self.feature_config
         self.layer = FeatureDrafterLayer(
             hidden_size,
