@@ -421,11 +421,25 @@ class BlockwiseGenerateOutput(GenerateEncoderDecoderOutput):
 class BaseModelWrapper(nn.Module):
     """A module that wraps a transformers seq2seq model as `self.base_model` (PEFT's `PeftModel` pattern).
 
-    [`BlockwiseHeadsModel`] subclasses it, so [`unwrap_base`] can tell a wrapper from a transformers model
-    (which also has a `base_model` attribute: its bare backbone).
+    [`BlockwiseHeadsModel`] and [`FeatureDrafterModel`] subclass it, so [`unwrap_base`] can tell a wrapper from a
+    transformers model (which also has a `base_model` attribute: its bare backbone), and `config`, `device` and
+    `generation_config` are the base's.
     """
 
     base_model: nn.Module
+
+    @property
+    def config(self) -> PretrainedConfig:
+        """The base model's config, as for PEFT's `PeftModel`; the wrapper's own settings live beside it."""
+        return self.base_model.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.base_model.device
+
+    @property
+    def generation_config(self) -> GenerationConfig:
+        return self.base_model.generation_config
 
 
 def decoder_config(config: PretrainedConfig) -> PretrainedConfig:

@@ -20,6 +20,7 @@ from hf_blockwise.generation.loop import blockwise_generate
 from hf_blockwise.modeling.config import FEATURE_DRAFTER_CONFIG_NAME, FeatureDrafterConfig
 from hf_blockwise.modeling.feature_layer import AttentionMemory, FeatureDrafterLayer, unrolled_mask
 from hf_blockwise.modeling.model import check_batch_not_empty
+from hf_blockwise.modeling.shortlist import shortlist_ids
 from hf_blockwise.serialization import atomic_write
 
 FEATURE_DRAFTER_WEIGHTS_NAME = "feature_drafter.safetensors"
@@ -121,19 +122,6 @@ class FeatureDrafterModel(BaseModelWrapper):
         projection = base_model.get_output_embeddings().weight
         self.layer.to(device=projection.device, dtype=projection.dtype)
 
-    @property
-    def config(self):
-        """The base model's config (as PEFT's `PeftModel`); the drafter's own is `feature_config`."""
-        return self.base_model.config
-
-    @property
-    def device(self) -> torch.device:
-        return self.base_model.device
-
-    @property
-    def generation_config(self):
-        return self.base_model.generation_config
-
     def token_embeddings(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The base decoder's input embeddings of `token_ids` (shape `(...)` -> `(..., embedding_size)`)."""
         return hf.decoder_input_embeddings(self.base_model)(token_ids)
@@ -152,15 +140,7 @@ class FeatureDrafterModel(BaseModelWrapper):
             self.layer.shortlist = None
             self.feature_config = replace(self.feature_config, shortlist_size=None)
             return
-        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
-        vocab_size = self.feature_config.vocab_size
-        if (
-            ids.numel() == 0
-            or int(ids.min()) < 0
-            or int(ids.max()) >= vocab_size
-            or ids.unique().numel() != ids.numel()
-        ):
-            raise ValueError(f"A shortlist needs at least one id, unique and within [0, {vocab_size})")
+        ids = shortlist_ids(token_ids, self.feature_config.vocab_size)
         self.layer.register_buffer("shortlist", ids.to(self.layer.out.weight.device))
         self.feature_config = replace(self.feature_config, shortlist_size=int(ids.numel()))
 

@@ -29,6 +29,7 @@ from hf_blockwise.drafters.heads import HeadsDrafter
 from hf_blockwise.generation.loop import blockwise_generate
 from hf_blockwise.modeling.config import CONFIG_NAME, BlockwiseConfig
 from hf_blockwise.modeling.heads import BlockwiseHeads, SequentialHeads
+from hf_blockwise.modeling.shortlist import shortlist_ids
 from hf_blockwise.serialization import atomic_write
 
 WEIGHTS_NAME = "blockwise_heads.safetensors"
@@ -155,19 +156,6 @@ class BlockwiseHeadsModel(BaseModelWrapper):
             )
         self.heads.to(device=projection.device, dtype=projection.dtype)
 
-    @property
-    def config(self):
-        """The base model's config, as for PEFT's `PeftModel`; the heads' own is `blockwise_config`."""
-        return self.base_model.config
-
-    @property
-    def device(self) -> torch.device:
-        return self.base_model.device
-
-    @property
-    def generation_config(self):
-        return self.base_model.generation_config
-
     def chosen_token_embeddings(self, token_ids: torch.Tensor) -> torch.Tensor | None:
         """What token-conditioned heads read besides the state: the base decoder's input embedding of the token
         chosen from that state (`None` for heads that read the state only).
@@ -198,14 +186,7 @@ class BlockwiseHeadsModel(BaseModelWrapper):
             self.heads.shortlist = None
             self.blockwise_config = dataclasses.replace(self.blockwise_config, shortlist_size=None)
             return
-        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
-        vocab_size = self.blockwise_config.vocab_size
-        if ids.numel() == 0:
-            raise ValueError("A shortlist needs at least one token id")
-        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-            raise ValueError(f"Shortlist ids must lie in [0, {vocab_size}) (the base's vocabulary)")
-        if ids.unique().numel() != ids.numel():
-            raise ValueError("Shortlist ids must be unique")
+        ids = shortlist_ids(token_ids, self.blockwise_config.vocab_size)
         self.heads.register_buffer("shortlist", ids.to(self.base_model.get_output_embeddings().weight.device))
         self.blockwise_config = dataclasses.replace(self.blockwise_config, shortlist_size=int(ids.numel()))
 

@@ -28,3 +28,16 @@ def frequent_tokens(sequences: Iterable[Sequence[int]], size: int, always: Seque
             break
         chosen.setdefault(token)
     return torch.tensor(list(chosen)[:size], dtype=torch.long)
+
+
+def shortlist_ids(token_ids: Sequence[int] | torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`token_ids` as a shortlist of a `vocab_size`-token vocabulary: a flat `torch.LongTensor`, checked to be
+    non-empty, within the vocabulary and free of repeats (a `ValueError` says which rule is broken)."""
+    ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+    if ids.numel() == 0:
+        raise ValueError("A shortlist needs at least one token id")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"Shortlist ids must lie in [0, {vocab_size}) (the base's vocabulary)")
+    if ids.unique().numel() != ids.numel():
+        raise ValueError("Shortlist ids must be unique")
+    return ids

@@ -15,7 +15,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from hf_blockwise.modeling.config import CONFIG_NAME
 from hf_blockwise.modeling.model import ADAPTER_WEIGHTS_NAME, WEIGHTS_NAME, BlockwiseHeadsModel
 from hf_blockwise.training.blockwise_config import BlockwiseTrainingArguments
-from hf_blockwise.training.common import Seq2SeqPadCollator, StepMetrics, decode_for_evaluation
+from hf_blockwise.training.common import Seq2SeqPadCollator, StepMetrics, decode_trainer_dataset
 
 # In a checkpoint written while the base is trained, the base sits beside the heads.
 BASE_IN_CHECKPOINT = "."
@@ -106,21 +106,7 @@ class BlockwiseTrainer(Seq2SeqTrainer):
     @torch.no_grad()
     def decode_dataset(self, dataset) -> dict[str, float]:
         """Blockwise-decodes (the first `eval_decoding_samples` of) `dataset`; mean accepted block and BLEU."""
-        model: BlockwiseHeadsModel = self.accelerator.unwrap_model(self.model)
-        was_training = model.training
-        model.eval()
-        results = decode_for_evaluation(
-            model,
-            dataset,
-            pad_token_id=model.base_model.config.pad_token_id,
-            batch_size=self.args.eval_decoding_batch_size,
-            max_new_tokens=self.args.eval_max_new_tokens,
-            limit=self.args.eval_decoding_samples,
-            tokenizer=self.processing_class,
-            show_progress=self.is_world_process_zero(),
-        )
-        model.train(was_training)
-        return results
+        return decode_trainer_dataset(self, dataset)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir

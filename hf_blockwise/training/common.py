@@ -115,3 +115,24 @@ def decode_for_evaluation(
     if result.bleu is not None:
         results["bleu"] = result.bleu
     return results
+
+
+@torch.no_grad()
+def decode_trainer_dataset(trainer: Any, dataset) -> dict[str, float]:
+    """[`decode_for_evaluation`] as a trainer of this package runs it at `evaluate`: on the unwrapped model in eval
+    mode (its training mode restored after), with the trainer's `eval_*` decoding settings and tokenizer."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    was_training = model.training
+    model.eval()
+    results = decode_for_evaluation(
+        model,
+        dataset,
+        pad_token_id=model.base_model.config.pad_token_id,
+        batch_size=trainer.args.eval_decoding_batch_size,
+        max_new_tokens=trainer.args.eval_max_new_tokens,
+        limit=trainer.args.eval_decoding_samples,
+        tokenizer=trainer.processing_class,
+        show_progress=trainer.is_world_process_zero(),
+    )
+    model.train(was_training)
+    return results

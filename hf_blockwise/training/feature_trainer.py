@@ -13,7 +13,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 
 from hf_blockwise.modeling.config import FEATURE_DRAFTER_CONFIG_NAME
 from hf_blockwise.modeling.feature_model import FEATURE_DRAFTER_WEIGHTS_NAME, FeatureDrafterModel
-from hf_blockwise.training.common import Seq2SeqPadCollator, StepMetrics, decode_for_evaluation
+from hf_blockwise.training.common import Seq2SeqPadCollator, StepMetrics, decode_trainer_dataset
 from hf_blockwise.training.feature_config import FeatureDrafterTrainingArguments
 
 
@@ -73,20 +73,7 @@ class FeatureDrafterTrainer(Seq2SeqTrainer):
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **gen_kwargs):
         metrics = super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        model: FeatureDrafterModel = self.accelerator.unwrap_model(self.model)
-        was_training = model.training
-        model.eval()
-        decoding = decode_for_evaluation(
-            model,
-            dataset,
-            pad_token_id=model.base_model.config.pad_token_id,
-            batch_size=self.args.eval_decoding_batch_size,
-            max_new_tokens=self.args.eval_max_new_tokens,
-            limit=self.args.eval_decoding_samples,
-            tokenizer=self.processing_class,
-            show_progress=self.is_world_process_zero(),
-        )
-        model.train(was_training)
+        decoding = decode_trainer_dataset(self, dataset)
         decoding = {f"{metric_key_prefix}_{key}": value for key, value in decoding.items()}
         self.log(dict(decoding))
         metrics.update(decoding)
