@@ -177,6 +177,7 @@ def adapt_generate_call(
             "Custom stopping criteria are supported together with an eos_token_id only: without one, greedy "
             "search keeps extending rows that have stopped, which blockwise decoding does not reproduce"
         )
+    check_decoder_length(model, rules.max_length, input_ids.shape[1])
     streamer = streamer if streamer is not None else streamer_from_generate_call()
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError("streamer= supports batch size 1 only, like transformers' TextStreamer")
@@ -442,6 +443,60 @@ class BaseModelWrapper(nn.Module):
         return self.base_model.generation_config
 
 
+def position_limit(stack: nn.Module | None) -> int | None:
+    """How many positions an encoder or decoder stack can embed, or `None` when it has no fixed table.
+
+    Read from the module, not the model type: a stack whose `embed_positions` is an `nn.Embedding` (learned, as in
+    BART, or a fixed sinusoidal table, as in Marian and Pegasus) fails with an `IndexError` past its last row
+    (BART-style tables keep `offset` rows in front); relative positions (T5) and tables that grow on demand
+    (M2M100, NLLB) have no limit.
+    """
+    table = getattr(stack, "embed_positions", None)
+    if not isinstance(table, nn.Embedding):
+        return None
+    return table.num_embeddings - int(getattr(table, "offset", 0))
+
+
+def _stack(model: nn.Module, getter: str) -> nn.Module | None:
+    get = getattr(model, getter, None)
+    return get() if callable(get) else None
+
+
+def check_generate_inputs(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Clear errors for inputs `generate` would otherwise fail on deep inside the model: an empty batch (a reshape
+    error in the encoder) and a source longer than the encoder's positions (an `IndexError`).
+
+    Args:
+        model: the transformers seq2seq model whose `generate` is about to be called.
+        args, kwargs: the positional and keyword arguments of that call.
+    """
+    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs", kwargs.get("inputs_embeds")))
+    if not isinstance(inputs, torch.Tensor):
+        return
+    if inputs.shape[0] == 0:
+        raise ValueError("generate was called with an empty batch (batch size 0)")
+    limit = position_limit(_stack(unwrap_base(model), "get_encoder"))
+    if limit is not None and inputs.dim() >= 2 and inputs.shape[1] > limit:
+        raise ValueError(
+            f"the input is {inputs.shape[1]} tokens long, but the encoder of {model_name(model)} has {limit} "
+            f"positions; truncate it, e.g. tokenizer(..., truncation=True, max_length={limit})"
+        )
+
+
+def check_decoder_length(model: nn.Module, max_length: int, prompt_length: int) -> None:
+    """A `ValueError` when decoding up to `max_length` tokens would feed the decoder positions it does not have.
+
+    Greedy search feeds positions 0 .. max_length - 2 (the last token is never fed), and so does the loop.
+    """
+    limit = position_limit(_stack(model, "get_decoder"))
+    if limit is not None and max_length - 1 > limit:
+        raise ValueError(
+            f"max_length {max_length} (decoder prompt {prompt_length} + {max_length - prompt_length} new tokens) "
+            f"needs {max_length - 1} decoder positions, but the decoder of {model_name(model)} has {limit}; pass "
+            f"max_new_tokens={limit + 1 - prompt_length} or less"
+        )
+
+
 def decoder_config(config: PretrainedConfig) -> PretrainedConfig:
     """The config that describes the decoder: its own sub-config where the model has one (`EncoderDecoderModel`,
     T5Gemma), else the model's config.
@@ -586,13 +641,37 @@ def warn_if_other_base(recorded: str | None, base_model: nn.Module, what: str) -
         )
 
 
+def check_local_path(name_or_path: str | os.PathLike, what: str) -> None:
+    """A `ValueError` for a location that looks like a local directory but is none, instead of the hub's "couldn't
+    connect" or "not a valid model identifier" message. Local-looking: absolute, starting with `.` or `~`, with a
+    backslash or more than one `/`, or whose first part is an existing local directory (`checkpoints/hedas`);
+    anything else may be a hub id (`org/name`) and is left to transformers."""
+    text = os.fspath(name_or_path)
+    if os.path.isdir(text):
+        return
+    first = text.replace("\\", "/").split("/")[0]
+    looks_local = (
+        os.path.isabs(text)
+        or text.startswith((".", "~"))
+        or "\\" in text
+        or text.count("/") > 1
+        or (first != text and os.path.isdir(first))
+    )
+    if looks_local:
+        where = os.path.abspath(os.path.expanduser(text))
+        kind = "a file, not a directory" if os.path.isfile(where) else "no such directory"
+        raise ValueError(f"{what} {text!r}: {kind} ({where}); check the path (hub ids have the form 'org/name')")
+
+
 def has_file(name_or_path: str | os.PathLike, filename: str) -> bool:
+    check_local_path(name_or_path, "no model")
     if os.path.isdir(name_or_path):
         return os.path.isfile(os.path.join(name_or_path, filename))
     return cached_file(str(name_or_path), filename, _raise_exceptions_for_missing_entries=False) is not None
 
 
 def resolve_file(name_or_path: str | os.PathLike, filename: str) -> str:
+    check_local_path(name_or_path, "no model")
     path = os.path.join(name_or_path, filename)
     if os.path.isdir(name_or_path):
         if not os.path.isfile(path):

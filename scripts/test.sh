@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Installs hf_blockwise with its test tools and runs lint, format check and the test suite.
+# Installs hf_blockwise with its test tools (and the optional CTranslate2, whose bench modes are tested) and runs lint, format check and the test suite.
 # torch is installed first from the pinned CPU build, so that resolving `torch>=2.4` pulls nothing else.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q "torch==2.13.0"
-python3 -m pip install -q -e ".[dev]"
+python3 -m pip install -q -e ".[dev,ctranslate2]"
 python3 -m ruff check .
 python3 -m ruff format --check .
 python3 -m pytest -q -p no:cacheprovider

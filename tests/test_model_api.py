@@ -22,9 +22,11 @@ from hf_blockwise import (
     first_divergence,
     frequent_tokens,
 )
+from hf_blockwise import boundary as hf
 from hf_blockwise.boundary import output_projection_logits, save_shipped_model
 from hf_blockwise.serialization import atomic_write_text
-from hf_blockwise.tools.cli import SHIPPED_MODEL
+from hf_blockwise.tools.bench import BenchSetup, run_bench
+from hf_blockwise.tools.cli import SHIPPED_MODEL, load_for_bench
 
 
 def draft(drafter, request: DraftRequest):
@@ -213,6 +215,65 @@ def test_unsupported_generate_arguments_are_refused(tiny_models, kwargs: dict, m
     model = trained_looking_heads(base)
     with pytest.raises(ValueError, match=message):
         model.generate(**random_batch(base, 2, seed=0), max_new_tokens=5, **kwargs)
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_position_limits_are_read_from_the_model(tiny_models, architecture: str) -> None:
+    """Fixed position tables (learned or sinusoidal) have a limit, relative or growing ones none; and a decoder
+    fed exactly up to its limit works while one position more fails, which is what the limit claims."""
+    base = tiny_models[architecture]
+    limit = hf.position_limit(base.get_decoder())
+    assert limit == hf.position_limit(base.get_encoder())
+    if architecture in ("t5", "mt5", "m2m100"):  # relative positions; M2M100's sinusoidal table grows on demand
+        assert limit is None
+        return
+    assert limit == base.config.max_position_embeddings
+    start = torch.tensor([[base.generation_config.decoder_start_token_id]])
+    encoder_outputs = base.get_encoder()(input_ids=torch.tensor([[5, 6, 7]]))
+    with torch.no_grad():
+        base(encoder_outputs=encoder_outputs, decoder_input_ids=start.repeat(1, limit))
+        with pytest.raises(IndexError):
+            base(encoder_outputs=encoder_outputs, decoder_input_ids=start.repeat(1, limit + 1))
+
+
+@pytest.mark.parametrize("architecture", ["bart", "marian"])
+def test_lengths_past_the_positions_are_clear_errors(tiny_models, architecture: str) -> None:
+    base = tiny_models[architecture]
+    limit = base.config.max_position_embeddings
+    model = trained_looking_heads(base)
+    too_long = torch.full((1, limit + 1), 5)
+    with pytest.raises(ValueError, match=f"input is {limit + 1} tokens long, but the encoder .* has {limit} positions"):
+        model.generate(input_ids=too_long, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"input is .* tokens long"):
+        model.generate(input_ids=too_long, max_new_tokens=4, assistant=None)  # the plain greedy path too
+    with pytest.raises(ValueError, match=f"input is {limit + 1} tokens long"):  # the bench checks before timing
+        run_bench(BenchSetup(base=base, tokenizer=None), [[5] * 4, [5] * (limit + 1)], None, ["greedy"], [1])
+    batch = random_batch(base, 2, seed=0)
+    message = f"needs {limit + 1} decoder positions, but the decoder .* has {limit}; pass max_new_tokens={limit} or"
+    with pytest.raises(ValueError, match=message):
+        model.generate(**batch, max_new_tokens=limit + 1, min_new_tokens=limit + 1)
+    with pytest.raises(ValueError, match=message):
+        base.generate(**batch, custom_generate=blockwise_generate, max_length=limit + 2)
+    # exactly at the limit: identical to greedy, which runs there too
+    at_limit = dict(max_new_tokens=limit, min_new_tokens=limit)
+    expected = base.generate(**batch, **at_limit)
+    assert torch.equal(model.generate(**batch, **at_limit), expected)
+
+
+def test_local_looking_paths_that_do_not_exist_are_clear_errors(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "a_file").write_text("x")
+    missing = ("./heads", "../nowhere/heads", str(tmp_path / "heads"), "a/b/c", "checkpoints/hedas", "~/nothing")
+    for path in missing:
+        with pytest.raises(ValueError, match="no such directory"):
+            BlockwiseHeadsModel.from_pretrained(path)
+    with pytest.raises(ValueError, match="a file, not a directory"):
+        BlockwiseHeadsModel.from_pretrained("./a_file")
+    hf.check_local_path("Helsinki-NLP/opus-mt-en-de", "model")  # may be a hub id: left to transformers
+    hf.check_local_path("checkpoints", "model")  # exists
+    with pytest.raises(ValueError, match="--model 'checkpoints/nope': no such directory"):
+        load_for_bench("checkpoints/nope", None, max_new_tokens=4)
 
 
 def test_bad_calls_are_refused(tiny_models) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import os
 import subprocess
@@ -122,3 +123,73 @@ def test_self_distillation_and_feature_drafter_recipes_train_resume_and_ship(tmp
     config = json.loads((ship_dir / "feature_drafter_config.json").read_text())
     assert config["base_model_name_or_path"] == ".." and 1 <= config["shortlist_size"] <= 30
     assert sorted(os.listdir(ship_dir)) == ["README.md", "feature_drafter.safetensors", "feature_drafter_config.json"]
+
+
+def _load_recipe_module(name: str):
+    """A module of `training/` (recipes are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPOSITORY / "training" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_synthetic_errors_are_learner_like_reproducible_and_leave_some_sentences_clean() -> None:
+    errors = _load_recipe_module("synthetic_errors")
+    assert errors.bea_tokenize("Mr. Smith's dog isn't here, is it?") == [
+        "Mr.", "Smith", "'s", "dog", "is", "n't", "here", ",", "is", "it", "?",
+    ]  # fmt: skip
+    texts = [f"The {pet} went to the market with {count} friends ." for pet in ("cat", "dog") for count in range(50)]
+    sources, targets = errors.synthetic_pairs(texts, seed=3)
+    assert targets == texts  # already BEA-tokenized: the targets are the texts
+    assert errors.synthetic_pairs(texts, seed=3) == (sources, targets)  # reproducible
+    changed = sum(source != target for source, target in zip(sources, targets, strict=True))
+    assert 0.6 * len(texts) < changed < len(texts)  # most corrupted, some left clean (copying is learned too)
+    edits = [
+        sum(a != b for a, b in zip(source.split(), target.split(), strict=False)) + abs(len(source.split()) - 11)
+        for source, target in zip(sources, targets, strict=True)
+    ]
+    assert sum(edits) / len(edits) < 4  # a few errors per sentence, not a rewrite
+    assert errors.synthetic_pairs(["#Person1# says hi ."], seed=0) == ([], [])  # DialogSum's speaker tags: skipped
+
+
+def write_gec_like(directory: Path) -> None:
+    """W&I+LOCNESS, FCE, JFLEG and Multi30k-shaped folders of a few English sentences."""
+    right = [f"The {w} is on the table ." for w in ("cat", "book", "cup", "key", "pen", "hat", "map", "box")]
+    wrong = [sentence.replace(" is ", " are ") for sentence in right]
+    files = {
+        "gec_wi_locness/train.src.gz": wrong, "gec_wi_locness/train.tgt.gz": right,
+        "gec_wi_locness/dev.src.gz": wrong[:4], "gec_wi_locness/dev.tgt.gz": right[:4],
+        "gec_fce/train.src.gz": wrong[4:], "gec_fce/train.tgt.gz": right[4:],
+        "jfleg/dev.src": wrong[:3], **{f"jfleg/dev.ref{i}": right[:3] for i in range(4)},
+        "multi30k/train.en.gz": right,
+    }  # fmt: skip
+    for relative, lines in files.items():
+        path = directory / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "wt", encoding="utf-8") as handle:
+            handle.write("\n".join(lines) + "\n")
+
+
+def test_gec_recipe_adds_synthetic_errors_and_scores_against_copying_the_source(tmp_path) -> None:
+    data_dir, out_dir, ship_dir = tmp_path / "data", tmp_path / "gec", tmp_path / "ship"
+    write_gec_like(data_dir)
+    command = [
+        sys.executable, str(REPOSITORY / "training" / "train_base.py"), "--task", "gec", "--dataset", str(data_dir),
+        "--out", str(out_dir), "--synthetic", "multi30k_en:6", "--max-steps", "2", "--epochs", "1",
+        "--vocab-size", "120", "--eval-sentences", "2", "--threads", "1", "--ship", str(ship_dir),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "synthetic errors on multi30k_en: 6 pairs" in done.stdout
+    log = json.loads((out_dir / "training_log.json").read_text())
+    assert log["train_pairs"] == 8 + 4 + 6  # W&I, FCE, synthetic
+    scores = log["scores"]
+    assert scores["jfleg_dev_4refs"]["sentences"] == 3 and scores["wi_locness_dev"]["sentences"] == 4
+    assert all(0 <= score["bleu_copy_source"] < 100 for score in scores.values())
+    card = (ship_dir / "README.md").read_text()
+    assert "| jfleg_dev_4refs (3 sentences) |" in card and "multi30k_en:6" in card
+    again = subprocess.run([*command[:-2], "--init-from", str(ship_dir), "--out", str(tmp_path / "again")], text=True,
+                           capture_output=True, timeout=600)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "starting from the weights and tokenizer of" in again.stdout

@@ -40,9 +40,11 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import itertools
 import json
 import math
 import random
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -60,6 +62,10 @@ from transformers.utils import logging as hf_logging
 from hf_blockwise.boundary import save_shipped_model
 from hf_blockwise.serialization import atomic_write, atomic_write_text
 from hf_blockwise.tools.arguments import parse_dataclass_args
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from distill_sources import CORPORA, read_texts
+from synthetic_errors import synthetic_pairs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_ROOT = REPO_ROOT.parent / "shared" / "data"
@@ -121,6 +127,17 @@ class TrainBaseArguments:
     eval_sentences: int = field(default=300, metadata={"help": "sentences used for val / test BLEU"})
     eval_batch_size: int = field(default=32, metadata={"help": "batch size of the BLEU decoding"})
     vocab_size: int = field(default=8000, metadata={"help": "BPE vocabulary size"})
+    synthetic: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "gec: also train on synthetic errors (training/synthetic_errors.py) made on these clean "
+            "English corpora, each NAME:CAP, names as in training/distill_sources.py (e.g. gec_wi_tgt:20000)"
+        },
+    )
+    init_from: str | None = field(
+        default=None,
+        metadata={"help": "start from this model folder's weights and tokenizer (e.g. an earlier shipped model)"},
+    )
     ship: str | None = field(
         default=None, metadata={"help": "also write the model (fp16), tokenizer and a model card here"}
     )
@@ -190,10 +207,31 @@ def load_gec(data_root: str | Path) -> dict[str, Pairs]:
     }
 
 
-def load_task(task: str, dataset: str | None) -> dict[str, Pairs]:
-    if task == "gec":
-        return load_gec(dataset or DATA_ROOT)
-    return load_multi30k(dataset or str(DEFAULT_DATA_DIR))
+def add_synthetic_errors(data: dict[str, Pairs], data_root: str | Path, corpora: Sequence[str], seed: int) -> None:
+    """Append to ``data["train"]`` corrupted → clean pairs made from clean English corpora (``NAME:CAP`` each)."""
+    sources, targets = data["train"]
+    for entry in corpora:
+        name, _, cap = entry.partition(":")
+        if name not in CORPORA or not cap.isdigit():
+            raise ValueError(f"--synthetic entries are NAME:CAP with NAME in {sorted(CORPORA)}, got {entry!r}")
+        relative, kind = CORPORA[name]
+        texts = list(itertools.islice(read_texts(Path(data_root) / relative, kind), int(cap)))
+        noisy, clean = synthetic_pairs(texts, seed=seed)
+        changed = sum(a != b for a, b in zip(noisy, clean, strict=True))
+        print(f"synthetic errors on {name}: {len(noisy)} pairs, {changed} changed")
+        sources, targets = sources + noisy, targets + clean
+    data["train"] = (sources, targets)
+
+
+def load_task(args: TrainBaseArguments) -> dict[str, Pairs]:
+    """The train / val / test pairs of ``args.task``, with the synthetic pairs ``args.synthetic`` asks for."""
+    if args.task != "gec":
+        if args.synthetic:
+            raise ValueError("--synthetic applies to --task gec only")
+        return load_multi30k(args.dataset or str(DEFAULT_DATA_DIR))
+    data = load_gec(args.dataset or DATA_ROOT)
+    add_synthetic_errors(data, args.dataset or DATA_ROOT, args.synthetic, args.seed)
+    return data
 
 
 def load_multi30k(dataset: str) -> dict[str, Pairs]:
@@ -673,8 +711,9 @@ def finalize(
     out_dir: Path,
     progress: Progress,
     log: dict[str, Any],
+    extra_scores: dict[str, Any],
 ) -> None:
-    """Test BLEU, then save the model (safetensors), tokenizer and ``training_log.json``."""
+    """Test BLEU, then save the model (safetensors), tokenizer and ``training_log.json`` (with ``extra_scores``)."""
     t0 = time.perf_counter()
     score, signature, hyps = bleu(model, tokenizer, data["test"], args.eval_sentences, args.eval_batch_size)
     test_seconds = time.perf_counter() - t0
@@ -696,6 +735,7 @@ def finalize(
             "signature": signature,
             "eval_wall_time_s": test_seconds,
         },
+        "scores": extra_scores,
         "train_wall_time_s": progress.train_seconds,
         "train_pairs": len(data["train"][0]),
         "threads": torch.get_num_threads(),
@@ -709,6 +749,51 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def initial_model(
+    args: TrainBaseArguments, out_dir: Path, train_pairs: Pairs
+) -> tuple[MarianMTModel, PreTrainedTokenizerFast]:
+    """A fresh model and tokenizer, or with ``--init-from`` those of an earlier model (same architecture)."""
+    if args.init_from is None:
+        tokenizer = get_tokenizer(out_dir, train_pairs, args.vocab_size)
+        if len(tokenizer) > args.vocab_size:
+            raise RuntimeError(f"tokenizer has {len(tokenizer)} tokens, more than --vocab-size {args.vocab_size}")
+        return build_model(args.vocab_size), tokenizer
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(args.init_from)
+    if not (out_dir / "tokenizer.json").exists():
+        tokenizer.save_pretrained(out_dir)
+    start = MarianMTModel.from_pretrained(args.init_from, dtype=torch.float32)
+    model = build_model(start.config.vocab_size)
+    model.load_state_dict(start.state_dict())  # raises, naming the keys, if the architecture differs
+    print(f"starting from the weights and tokenizer of {args.init_from}")
+    return model, tokenizer
+
+
+def gec_scores(
+    model: MarianMTModel, tokenizer: PreTrainedTokenizerFast, data_root: str | Path, batch_size: int
+) -> dict[str, Any]:
+    """BLEU of the model's greedy output and of copying the source, on JFLEG dev (all 754, four references)
+    and W&I+LOCNESS dev (all, one reference): the copy baseline tells whether the model corrects at all."""
+    root = Path(data_root)
+    sets = {
+        "jfleg_dev_4refs": (
+            _read_lines(root / "jfleg" / "dev.src"), [_read_lines(root / "jfleg" / f"dev.ref{i}") for i in range(4)]
+        ),
+        "wi_locness_dev": (
+            _read_lines(root / "gec_wi_locness" / "dev.src.gz"), [_read_lines(root / "gec_wi_locness" / "dev.tgt.gz")]
+        ),
+    }  # fmt: skip
+    scores: dict[str, Any] = {}
+    for name, (sources, refs) in sets.items():
+        hyps = translate(model, tokenizer, sources, batch_size)
+        scores[name] = {
+            "sentences": len(sources),
+            "bleu_model": sacrebleu.corpus_bleu(hyps, refs, force=True).score,
+            "bleu_copy_source": sacrebleu.corpus_bleu(sources, refs, force=True).score,
+        }
+        print(f"{name}: {json.dumps(scores[name])}")
+    return scores
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point: data → tokenizer → model → train (with resume) → evaluate → save."""
     args = parse_args(argv)
@@ -717,17 +802,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    data = load_task(args.task, args.dataset)
+    data = load_task(args)
     print({k: len(v[0]) for k, v in data.items()}, "sentence pairs")
-    tokenizer = get_tokenizer(out_dir, data["train"], args.vocab_size)
-    if len(tokenizer) > args.vocab_size:
-        raise RuntimeError(f"tokenizer has {len(tokenizer)} tokens, more than --vocab-size {args.vocab_size}")
-    model = build_model(args.vocab_size)
+    model, tokenizer = initial_model(args, out_dir, data["train"])
     n_params = sum(p.numel() for p in model.parameters())
     print(f"MarianMTModel: {n_params / 1e6:.1f}M parameters, tokenizer vocab {len(tokenizer)}")
 
     progress, log = run_training(args, model, tokenizer, data, out_dir)
-    finalize(args, model, tokenizer, data, out_dir, progress, log)
+    extra = gec_scores(model, tokenizer, args.dataset or DATA_ROOT, args.eval_batch_size) if args.task == "gec" else {}
+    finalize(args, model, tokenizer, data, out_dir, progress, log, extra)
     print(f"Saved model, tokenizer and {LOG_FILE} to {out_dir}")
     if args.ship:
         ship(model, tokenizer, args, out_dir)
@@ -737,17 +820,25 @@ def main(argv: Sequence[str] | None = None) -> None:
 MODEL_CARDS = {
     "gec": """# gec-en: a small Marian-style grammatical error correction model (English)
 
-Research artefact trained here from scratch by `training/train_base.py --task gec`.
+Research artefact trained here by `training/train_base.py --task gec` (the exact commands are in
+`training/README.md`).
 
-- **Data**: W&I+LOCNESS (BEA-2019, train A+B+C) and CLC FCE v2.1 train, pairs of at most 60 words
-  ({train_pairs} pairs); licences: BEA-2019 / CLC FCE — **non-commercial research and education only**.
+- **Data**: W&I+LOCNESS (BEA-2019, train A+B+C) and CLC FCE v2.1 train, pairs of at most 60 words, plus
+  synthetic learner errors (`training/synthetic_errors.py`) on clean English: {synthetic}
+  ({train_pairs} pairs in all); licences: BEA-2019 / CLC FCE / JFLEG / DialogSum —
+  **non-commercial research and education only**.
 - **Model**: MarianMTModel, d_model 256, 3+3 layers, joint 8k BPE (source and target share the vocabulary,
-  which input-guided aggressive decoding needs), {epochs} epochs.
-- **Quality**: greedy BLEU against the first JFLEG dev reference (first {eval_sentences} sentences): {bleu:.1f}
-  (a rough proxy; GEC is usually scored with GLEU / ERRANT F0.5).
-- **Use**: `hf-blockwise bench --model <this dir> --modes greedy prompt_lookup iad ...` decodes it with
+  which input-guided aggressive decoding needs), {epochs} epochs{init_note}.
+- **Quality**, greedy, sacreBLEU against copying the source unchanged (what a corrector must beat):
+
+  | set | model | copy the source |
+  |---|---|---|
+  {score_rows}
+
+  BLEU is a rough proxy for GEC (usually scored with GLEU / ERRANT F0.5).
+- **Use**: `hf-blockwise bench --model <this dir> --source-file ../shared/data/jfleg/dev.src --modes greedy iad` decodes it with
   input-guided drafts (`hf_blockwise.InputCopyDrafter`); the output is identical to greedy.
-- **Stored** in fp16.
+- **Stored** in fp16, loaded as float32 (`config.json` says so).
 """,
 }
 
@@ -761,9 +852,15 @@ def ship(model: MarianMTModel, tokenizer: PreTrainedTokenizerFast, args: TrainBa
     tokenizer.save_pretrained(ship_dir)
     card = MODEL_CARDS.get(args.task)
     if card is not None:
+        rows = [
+            f"| {name} ({score['sentences']} sentences) | {score['bleu_model']:.1f} | {score['bleu_copy_source']:.1f} |"
+            for name, score in log.get("scores", {}).items()
+        ]
         text = card.format(
             train_pairs=log.get("train_pairs", "?"), epochs=log["epochs_completed"],
-            eval_sentences=log["test"]["n_sentences"], bleu=log["test"]["bleu"],
+            synthetic=", ".join(args.synthetic) or "none",
+            init_note=f", continuing from `{args.init_from}`" if args.init_from else "",
+            score_rows="\n  ".join(rows),
         )  # fmt: skip
         atomic_write_text(str(ship_dir / "README.md"), text)
 

@@ -387,6 +387,7 @@ class NonAutoregressiveDrafter(Drafter):
                     "pass verifier="
                 )
             location = hf.base_location(name_or_path, config.verifier_name_or_path)
+            hf.check_local_path(location, "the recorded verifier (pass verifier= to attach one)")
             verifier = AutoModelForSeq2SeqLM.from_pretrained(location, **model_kwargs)
         model = _rebuild_from_verifier(
             AutoConfig.from_pretrained(name_or_path), verifier, hf.resolve_file(name_or_path, CHANGED_WEIGHTS_NAME)

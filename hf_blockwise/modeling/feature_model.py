@@ -19,7 +19,6 @@ from hf_blockwise.drafters.feature import FeatureDrafter
 from hf_blockwise.generation.loop import blockwise_generate
 from hf_blockwise.modeling.config import FEATURE_DRAFTER_CONFIG_NAME, FeatureDrafterConfig
 from hf_blockwise.modeling.feature_layer import AttentionMemory, FeatureDrafterLayer, unrolled_mask
-from hf_blockwise.modeling.model import check_batch_not_empty
 from hf_blockwise.modeling.shortlist import shortlist_ids
 from hf_blockwise.serialization import atomic_write
 
@@ -233,7 +232,7 @@ class FeatureDrafterModel(BaseModelWrapper):
         Takes every argument of transformers' `generate`. `assistant=None` runs the base model's own greedy
         `generate`; another [`Drafter`] replaces the feature drafter.
         """
-        check_batch_not_empty(args, kwargs)
+        hf.check_generate_inputs(self.base_model, args, kwargs)
         if assistant is None:
             return self.base_model.generate(*args, **kwargs)
         drafter = self.drafter() if assistant is _OWN_DRAFTER else assistant
@@ -282,6 +281,7 @@ class FeatureDrafterModel(BaseModelWrapper):
         if base_model is None:
             if location is None:
                 raise ValueError(f"{drafter_name_or_path} names no base checkpoint; pass base_model= explicitly")
+            hf.check_local_path(location, "the recorded base model (pass base_model= to attach one)")
             base_model = AutoModelForSeq2SeqLM.from_pretrained(location, **base_model_kwargs)
         else:
             hf.warn_if_other_base(location, hf.unwrap_base(base_model), "feature drafter weights")

@@ -257,7 +257,7 @@ class BlockwiseHeadsModel(BaseModelWrapper):
         Takes every argument of transformers' `generate`. `assistant=None` runs the base model's own greedy
         `generate`; another [`Drafter`] replaces the heads. See [`blockwise_generate`] for the return value.
         """
-        check_batch_not_empty(args, kwargs)
+        hf.check_generate_inputs(self.base_model, args, kwargs)
         if assistant is None:
             return self.base_model.generate(*args, **kwargs)
         drafter = self.drafter() if assistant is _OWN_HEADS else assistant
@@ -326,6 +326,7 @@ class BlockwiseHeadsModel(BaseModelWrapper):
                     f"{heads_name_or_path} names no base checkpoint (base_model_name_or_path is null); pass "
                     "base_model= explicitly"
                 )
+            hf.check_local_path(location, "the recorded base model (pass base_model= to attach one)")
             base_model = AutoModelForSeq2SeqLM.from_pretrained(location, **base_model_kwargs)
         else:
             hf.warn_if_other_base(location, hf.unwrap_base(base_model), "proposal heads")
@@ -381,13 +382,6 @@ def _save_adapter_atomically(peft_model: nn.Module, save_directory: str | os.Pat
         peft_model.save_pretrained(scratch)
         for name in os.listdir(scratch):
             os.replace(os.path.join(scratch, name), os.path.join(save_directory, name))
-
-
-def check_batch_not_empty(args: tuple, kwargs: dict[str, Any]) -> None:
-    # The encoder would fail on an empty batch with an obscure reshape error before decoding starts.
-    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs", kwargs.get("inputs_embeds")))
-    if isinstance(inputs, torch.Tensor) and inputs.shape[0] == 0:
-        raise ValueError("generate was called with an empty batch (batch size 0)")
 
 
 def _load_head_weights(path: str, heads: BlockwiseHeads) -> dict[str, torch.Tensor]:

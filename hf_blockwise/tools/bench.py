@@ -31,6 +31,7 @@ import json
 import os
 import re
 import statistics
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,9 +53,16 @@ from hf_blockwise.tools.harness import Batch, Runner, measure, sequences_of
 from hf_blockwise.tools.harness import DecoderCallCounter as DecoderCallCounter  # re-exported
 from hf_blockwise.tools.harness import ModeResult as ModeResult  # re-exported
 
+try:
+    from hf_blockwise.tools import ct2
+except ModuleNotFoundError as error:  # the optional extra: pip install -e .[ctranslate2]
+    if error.name != "ctranslate2":
+        raise
+    ct2 = None
+
 MODE_NAMES = (
     "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_full_vocab", "heads_top2", "seq_heads", "feature",
-    "composite", "iad", "gad", "gad_pp", "greedy_int8", "heads_int8", "iad_int8", "loop", "oracle",
+    "composite", "iad", "gad", "gad_pp", "greedy_int8", "heads_int8", "iad_int8", "loop", "oracle", "ct2", "ct2_int8",
 )  # fmt: skip
 DEFAULT_MODES = (
     "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_top2", "seq_heads", "feature", "composite", "iad",
@@ -67,6 +75,8 @@ FAST_PATH_MODES = ("greedy", "heads_full_vocab", "heads", "greedy_int8", "heads_
 LOOP_MODES = ("greedy", "loop", "oracle")
 BATCH_ONE_ONLY = {"prompt_lookup", "assisted"}  # transformers' assisted generation decodes one row at a time
 INT8_MODES = {"greedy_int8", "heads_int8", "iad_int8"}
+# CTranslate2 greedy (float32, int8 weights), compared with transformers' float32 greedy: another engine, not exact
+CT2_COMPUTE_TYPES = {"ct2": "float32", "ct2_int8": "int8"}
 DEFAULT_ORACLE_BLOCK_SIZES = (4,)
 ORACLE_MODE = re.compile(r"oracle_k(\d+)")
 # a model drafter at another block size k and (feature drafter) draft threshold: `feature_k6_t0.3`, `heads_k3`
@@ -102,6 +112,7 @@ class BenchSetup:
         gad_block_size (`int`, *optional*): tokens per GAD step (default: the drafter's trained block size).
         gad_top_beta (`int`), gad_tolerance (`float`): GAD++'s β and τ (mode `gad_pp`).
         oracle_block_sizes (`tuple[int, ...]`): the block sizes k of the `oracle` mode, one row `oracle_k{k}` each.
+        ct2_translators (`dict`): mode (`ct2`, `ct2_int8`) -> CTranslate2 translator of `base` ([`with_ct2`]).
     """
 
     base: nn.Module
@@ -117,6 +128,7 @@ class BenchSetup:
     gad_top_beta: int = 3
     gad_tolerance: float = 1.0
     oracle_block_sizes: tuple[int, ...] = DEFAULT_ORACLE_BLOCK_SIZES
+    ct2_translators: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def int8_copy(self) -> BenchSetup:
         """The same setup with int8 dynamically quantized copies of the base (and of the heads model's base)."""
@@ -148,6 +160,10 @@ def available_modes(setup: BenchSetup, requested: Sequence[str]) -> list[str]:
             print(f"skipping {mode}: pass --nar-drafter")
         elif mode == "iad" and not _shares_vocabulary(setup.base):
             print("skipping iad: source and target vocabularies differ")
+        elif mode in CT2_COMPUTE_TYPES and ct2 is None:
+            print(f"skipping {mode}: CTranslate2 is not installed (pip install -e .[ctranslate2])")
+        elif mode in CT2_COMPUTE_TYPES and setup.tokenizer is None:
+            print(f"skipping {mode}: CTranslate2 decodes token strings, which needs a tokenizer")
         else:
             modes.append(mode)
     if "greedy_int8" not in modes and INT8_MODES & set(modes):
@@ -250,8 +266,10 @@ def mode_runner(mode: str, setup: BenchSetup) -> Runner:
     `greedy` mode's output of the same batch from `earlier`.
     """
     oracle = ORACLE_MODE.fullmatch(mode)
-    mode = mode.removesuffix("_int8")
     base, limit = setup.base, setup.max_new_tokens
+    if mode in CT2_COMPUTE_TYPES:
+        return ct2.greedy_runner(setup.ct2_translators[mode], setup.tokenizer, base, limit)
+    mode = mode.removesuffix("_int8")
     if oracle:
         return _oracle_runner(base, int(oracle.group(1)), limit)
     if mode == "greedy":
@@ -330,6 +348,7 @@ def run_bench(
     if not sources:
         raise ValueError("The benchmark needs at least one source sentence")
     modes = available_modes(setup, modes)
+    setup = with_ct2(setup, modes)
     int8_setup = setup.int8_copy() if INT8_MODES & set(modes) else None
     counted = [setup.base] + ([int8_setup.base] if int8_setup is not None else [])
     pad_token_id = setup.base.config.pad_token_id
@@ -337,6 +356,8 @@ def run_bench(
     results = []
     for batch_size in usable_batch_sizes(batch_sizes, len(sources)):
         batches = make_batches(sources, batch_size, setup.tokenizer, pad_token_id, device)
+        for batch in batches:  # an over-long source is a clear error before anything is timed
+            hf.check_generate_inputs(setup.base, (), batch)
         active = [mode for mode in modes if batch_size == 1 or mode not in BATCH_ONE_ONLY]
         runners = {mode: mode_runner(mode, int8_setup if mode in INT8_MODES else setup) for mode in active}
         for name, (mode, variant_setup) in (variants or {}).items():
@@ -350,6 +371,22 @@ def run_bench(
         )  # fmt: skip
         results += by_mode.values()
     return results
+
+
+def with_ct2(setup: BenchSetup, modes: Sequence[str]) -> BenchSetup:
+    """`setup` with a CTranslate2 translator of its base for each CTranslate2 mode among `modes` (converted once,
+    in a temporary folder; the translators hold the model in memory)."""
+    wanted = [mode for mode in modes if mode in CT2_COMPUTE_TYPES]
+    if not wanted:
+        return setup
+    device = "cuda" if next(setup.base.parameters()).device.type == "cuda" else "cpu"
+    with tempfile.TemporaryDirectory() as folder:
+        model_dir = ct2.convert(setup.base, setup.tokenizer, folder)
+        translators = {
+            mode: ct2.load_translator(model_dir, CT2_COMPUTE_TYPES[mode], torch.get_num_threads(), device)
+            for mode in wanted
+        }
+    return dataclasses.replace(setup, ct2_translators=translators)
 
 
 def block_widths(setup: BenchSetup, modes: Sequence[str]) -> dict[str, int]:
@@ -408,7 +445,8 @@ def markdown_table(results: Sequence[ModeResult], header: str) -> str:
         lines += [
             "",
             "¹ generated tokens equal, token for token, to greedy decoding of the same model (int8 modes: the int8 "
-            "model); `oracle_k*` must be 100%",
+            "model; `ct2*`: transformers' float32 greedy, which another engine need not match); `oracle_k*` must be "
+            "100%",
         ]
     if "ceiling" in columns:
         lines += [

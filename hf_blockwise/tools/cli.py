@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
+from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.nar import NAR_CONFIG_NAME, NonAutoregressiveDrafter
 from hf_blockwise.generation.loop import blockwise_generate
 from hf_blockwise.modeling.config import CONFIG_NAME, FEATURE_DRAFTER_CONFIG_NAME
@@ -144,6 +145,12 @@ def load_for_bench(
     """The bench's setup from a model directory: base (with heads if it has some), tokenizer, assistant model,
     NAR drafter, feature drafter and sequential heads (`<model>/nar-drafter`, `<model>/feature-drafter`,
     `<model>/sequential-heads` when present and none is given)."""
+    for what, path in (
+        ("--model", model_path), ("--assistant-model", assistant_path), ("--nar-drafter", nar_drafter_path),
+        ("--feature-drafter", feature_drafter_path), ("--sequential-heads", sequential_heads_path),
+    ):  # fmt: skip
+        if path is not None:
+            hf.check_local_path(path, what)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     heads_model = None
     if os.path.isfile(os.path.join(model_path, CONFIG_NAME)):

@@ -96,6 +96,8 @@ def compare_to_greedy(
         dict(tokenizer(list(sources[start : start + batch_size]), return_tensors="pt", padding=True).to(device))
         for start in range(0, len(sources), batch_size)
     ]
+    for batch in batches:  # an over-long source is a clear error before anything is decoded
+        hf.check_generate_inputs(base, (), batch)
     runners = {
         "greedy": lambda batch, _: base.generate(**batch, do_sample=False, num_beams=1, max_new_tokens=max_new_tokens),
         "blockwise": lambda batch, _: base.generate(
