@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Regenerates every benchmark figure quoted in docs/results.md (about 40 minutes on a 2-core CPU; run it on an
 # otherwise idle machine: timings are ratios measured in the same run, but a busy machine skews them).
-# Needs the offline data sets in ../shared/data beside the repository.
+# Needs the offline data sets in ../shared/data beside the repository, and `pip install -e .[ctranslate2]` for the
+# CTranslate2 rows.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 data=../shared/data
@@ -26,7 +27,8 @@ hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.
     --fast-path --out docs/bench/multi30k-fast-path
 # error correction with input-guided drafts (Ge et al. Table 1 shape): JFLEG dev and W&I+LOCNESS dev
 hf-blockwise bench --model $gec --source-file $data/jfleg/dev.src --reference-file $data/jfleg/dev.ref0 \
-    --modes greedy prompt_lookup iad greedy_int8 iad_int8 --batch-sizes 1 --threads 2 --out docs/bench/gec-jfleg
+    --modes greedy prompt_lookup iad greedy_int8 iad_int8 ct2 ct2_int8 --batch-sizes 1 --threads 2 \
+    --out docs/bench/gec-jfleg
 hf-blockwise bench --model $gec --source-file $data/gec_wi_locness/dev.src.gz \
     --reference-file $data/gec_wi_locness/dev.tgt.gz --sentences 300 --modes greedy prompt_lookup iad \
     greedy_int8 iad_int8 --batch-sizes 1 --threads 2 --out docs/bench/gec-wi-locness
@@ -65,3 +67,8 @@ python scripts/acceptance_table.py --model $mt --sentences 300 --out docs/accept
 # error correction: source copy, the gec-en feature drafter, and the composite of both, on JFLEG dev
 hf-blockwise bench --model $gec --source-file $data/jfleg/dev.src --reference-file $data/jfleg/dev.ref0 \
     --modes greedy iad feature composite --batch-sizes 1 --threads 2 --out docs/bench/gec-jfleg-composite
+# CTranslate2, the engine a CPU user would pick instead: its greedy search (float32, int8 weights) beside
+# transformers' greedy and our exact drafters, batch 1 and 16
+hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz \
+    --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 300 --batch-sizes 1 16 --threads 2 \
+    --modes greedy heads feature greedy_int8 heads_int8 ct2 ct2_int8 --out docs/bench/multi30k-ct2

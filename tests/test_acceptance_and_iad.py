@@ -124,11 +124,14 @@ def test_minimum_block_gains_that_many_tokens_per_step() -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def drafts_for(source: list[int], output: list[int], num_drafts: int = 4, max_ngram: int = 4) -> list[int]:
+def drafts_for(
+    source: list[int], output: list[int], num_drafts: int = 4, max_ngram: int = 4, realign: bool = False
+) -> list[int]:
     ids = torch.tensor([source])
     sentinel, lengths = sentinel_source(ids, torch.ones_like(ids))
     sequences = torch.tensor([[0, *output, 0, 0, 0]])
-    drafts = input_copy_drafts(sentinel, lengths, sequences, torch.tensor([1 + len(output)]), num_drafts, max_ngram)
+    length = torch.tensor([1 + len(output)])
+    drafts = input_copy_drafts(sentinel, lengths, sequences, length, num_drafts, max_ngram, realign=realign)
     return drafts.tokens[0, : int(drafts.lengths[0])].tolist()
 
 
@@ -139,6 +142,18 @@ def test_input_copy_drafts_follow_the_unique_match() -> None:
     assert drafts_for(source, [10, 11, 12, 13, 14], num_drafts=4) == [1]  # the source runs out
     assert drafts_for(source, [10, 20]) == []  # the last token is not in the source: decode one at a time
     assert drafts_for(source, [10, 20, 13]) == [14, 1]  # re-anchored after the edit
+
+
+def test_input_copy_realigns_right_after_an_edit() -> None:
+    source = [10, 11, 12, 13, 14, 1]
+    # 20 replaced 11: the source resumes after 11, without waiting for the output to match it again
+    assert drafts_for(source, [10, 20], realign=True) == [12, 13, 14, 1]
+    # 13 right after 10: 11 and 12 were deleted, the source resumes after 13
+    assert drafts_for(source, [10, 13], max_ngram=1, realign=True) == drafts_for(source, [10, 13]) == [14, 1]
+    assert drafts_for([10, 11, 13, 11, 13, 1], [10, 13], max_ngram=2, realign=True) == [11, 13, 1]  # deleted 11
+    assert drafts_for(source, [10, 20, 21], realign=True) == []  # two new tokens: no anchor before the last one
+    assert drafts_for(source, [10, 11, 12, 13, 14, 20], realign=True) == []  # past the source's end
+    assert drafts_for(source, [20], realign=True) == [11, 12, 13, 14]  # the first token replaced (start sentinel)
 
 
 def test_input_copy_grows_the_suffix_until_it_is_unique() -> None:

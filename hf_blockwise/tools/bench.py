@@ -62,7 +62,8 @@ except ModuleNotFoundError as error:  # the optional extra: pip install -e .[ctr
 
 MODE_NAMES = (
     "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_full_vocab", "heads_top2", "seq_heads", "feature",
-    "composite", "iad", "gad", "gad_pp", "greedy_int8", "heads_int8", "iad_int8", "loop", "oracle", "ct2", "ct2_int8",
+    "composite", "iad", "iad_ge", "gad", "gad_pp", "greedy_int8", "heads_int8", "iad_int8", "loop", "oracle", "ct2",
+    "ct2_int8",
 )  # fmt: skip
 DEFAULT_MODES = (
     "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_top2", "seq_heads", "feature", "composite", "iad",
@@ -158,8 +159,8 @@ def available_modes(setup: BenchSetup, requested: Sequence[str]) -> list[str]:
             print("skipping assisted: pass --assistant-model")
         elif mode.startswith("gad") and setup.nar_drafter is None:
             print(f"skipping {mode}: pass --nar-drafter")
-        elif mode == "iad" and not _shares_vocabulary(setup.base):
-            print("skipping iad: source and target vocabularies differ")
+        elif mode.startswith("iad") and not _shares_vocabulary(setup.base):
+            print(f"skipping {mode}: source and target vocabularies differ")
         elif mode in CT2_COMPUTE_TYPES and ct2 is None:
             print(f"skipping {mode}: CTranslate2 is not installed (pip install -e .[ctranslate2])")
         elif mode in CT2_COMPUTE_TYPES and setup.tokenizer is None:
@@ -293,8 +294,8 @@ def mode_runner(mode: str, setup: BenchSetup) -> Runner:
         rule = TopKAcceptance(2) if mode == "heads_top2" else None
         drafter = setup.heads_model.drafter(use_shortlist=mode != "heads_full_vocab")
         return _blockwise_runner(setup.heads_model, limit, assistant=drafter, acceptance=rule)
-    if mode == "iad":
-        drafter = InputCopyDrafter(base, max_draft_length=setup.iad_max_draft_length)
+    if mode in ("iad", "iad_ge"):  # iad_ge: Ge's Algorithm 1, no draft until the output re-anchors after an edit
+        drafter = InputCopyDrafter(base, max_draft_length=setup.iad_max_draft_length, realign=mode == "iad")
         return _blockwise_runner(base, limit, custom_generate=blockwise_generate, assistant=drafter)
     if mode in ("gad", "gad_pp"):
         nar = setup.nar_drafter
