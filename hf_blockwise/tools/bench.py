@@ -78,6 +78,7 @@ BATCH_ONE_ONLY = {"prompt_lookup", "assisted"}  # transformers' assisted generat
 INT8_MODES = {"greedy_int8", "heads_int8", "iad_int8"}
 # CTranslate2 greedy (float32, int8 weights), compared with transformers' float32 greedy: another engine, not exact
 CT2_COMPUTE_TYPES = {"ct2": "float32", "ct2_int8": "int8"}
+CT2_THREADS = 1  # see `measure_ct2`
 DEFAULT_ORACLE_BLOCK_SIZES = (4,)
 ORACLE_MODE = re.compile(r"oracle_k(\d+)")
 # a model drafter at another block size k and (feature drafter) draft threshold: `feature_k6_t0.3`, `heads_k3`
@@ -113,7 +114,6 @@ class BenchSetup:
         gad_block_size (`int`, *optional*): tokens per GAD step (default: the drafter's trained block size).
         gad_top_beta (`int`), gad_tolerance (`float`): GAD++'s β and τ (mode `gad_pp`).
         oracle_block_sizes (`tuple[int, ...]`): the block sizes k of the `oracle` mode, one row `oracle_k{k}` each.
-        ct2_translators (`dict`): mode (`ct2`, `ct2_int8`) -> CTranslate2 translator of `base` ([`with_ct2`]).
     """
 
     base: nn.Module
@@ -129,7 +129,6 @@ class BenchSetup:
     gad_top_beta: int = 3
     gad_tolerance: float = 1.0
     oracle_block_sizes: tuple[int, ...] = DEFAULT_ORACLE_BLOCK_SIZES
-    ct2_translators: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def int8_copy(self) -> BenchSetup:
         """The same setup with int8 dynamically quantized copies of the base (and of the heads model's base)."""
@@ -268,8 +267,6 @@ def mode_runner(mode: str, setup: BenchSetup) -> Runner:
     """
     oracle = ORACLE_MODE.fullmatch(mode)
     base, limit = setup.base, setup.max_new_tokens
-    if mode in CT2_COMPUTE_TYPES:
-        return ct2.greedy_runner(setup.ct2_translators[mode], setup.tokenizer, base, limit)
     mode = mode.removesuffix("_int8")
     if oracle:
         return _oracle_runner(base, int(oracle.group(1)), limit)
@@ -349,7 +346,8 @@ def run_bench(
     if not sources:
         raise ValueError("The benchmark needs at least one source sentence")
     modes = available_modes(setup, modes)
-    setup = with_ct2(setup, modes)
+    ct2_modes = [mode for mode in modes if mode in CT2_COMPUTE_TYPES]
+    modes = [mode for mode in modes if mode not in CT2_COMPUTE_TYPES]
     int8_setup = setup.int8_copy() if INT8_MODES & set(modes) else None
     counted = [setup.base] + ([int8_setup.base] if int8_setup is not None else [])
     pad_token_id = setup.base.config.pad_token_id
@@ -361,6 +359,8 @@ def run_bench(
             hf.check_generate_inputs(setup.base, (), batch)
         active = [mode for mode in modes if batch_size == 1 or mode not in BATCH_ONE_ONLY]
         runners = {mode: mode_runner(mode, int8_setup if mode in INT8_MODES else setup) for mode in active}
+        greedy_outputs: dict[int, Any] = {}
+        runners["greedy"] = _recording(runners["greedy"], greedy_outputs)
         for name, (mode, variant_setup) in (variants or {}).items():
             if name in runners:
                 raise ValueError(f"variant name {name!r} is also a mode")
@@ -371,23 +371,59 @@ def run_bench(
             progress=progress, description=f"bench batch {batch_size}",
         )  # fmt: skip
         results += by_mode.values()
+        if ct2_modes:
+            results += measure_ct2(setup, ct2_modes, batches, greedy_outputs, by_mode["greedy"], references, progress)
     return results
 
 
-def with_ct2(setup: BenchSetup, modes: Sequence[str]) -> BenchSetup:
-    """`setup` with a CTranslate2 translator of its base for each CTranslate2 mode among `modes` (converted once,
-    in a temporary folder; the translators hold the model in memory)."""
-    wanted = [mode for mode in modes if mode in CT2_COMPUTE_TYPES]
-    if not wanted:
-        return setup
+def measure_ct2(
+    setup: BenchSetup,
+    modes: Sequence[str],
+    batches: Sequence[Batch],
+    greedy_outputs: dict[int, Any],
+    greedy: ModeResult,
+    references: Sequence[str] | None,
+    progress: bool,
+) -> list[ModeResult]:
+    """The CTranslate2 modes on the same batches, in a pass of their own after the other modes, with one thread.
+
+    CTranslate2 brings its own OpenMP runtime, and in one process beside torch's on this 2-core CPU the two
+    contend (measured): interleaved with torch's modes, a translator that has run slowed torch's calls by 30% (by
+    3x with two CTranslate2 threads, which also slowed CTranslate2 itself 5x). So its translators exist only for
+    this pass, after the others, and run `CT2_THREADS` (one) thread: at `--threads 1` the comparison is at equal
+    threads, at `--threads 2` the CTranslate2 rows understate it. Outputs are compared with the greedy mode's
+    outputs of the same batches, and speedups are relative to that mode's time in the main pass.
+
+    Args:
+        greedy_outputs (`dict`): `id(batch)` -> the greedy mode's output for that batch.
+        greedy ([`ModeResult`]): the greedy mode's result in the main pass.
+    """
     device = "cuda" if next(setup.base.parameters()).device.type == "cuda" else "cpu"
     with tempfile.TemporaryDirectory() as folder:
         model_dir = ct2.convert(setup.base, setup.tokenizer, folder)
-        translators = {
-            mode: ct2.load_translator(model_dir, CT2_COMPUTE_TYPES[mode], torch.get_num_threads(), device)
-            for mode in wanted
-        }
-    return dataclasses.replace(setup, ct2_translators=translators)
+        runners: dict[str, Runner] = {"greedy": lambda batch, _: greedy_outputs[id(batch)]}  # a replay
+        for mode in modes:
+            translator = ct2.load_translator(model_dir, CT2_COMPUTE_TYPES[mode], CT2_THREADS, device)
+            runners[mode] = ct2.greedy_runner(translator, setup.tokenizer, setup.base, setup.max_new_tokens)
+        by_mode = measure(
+            runners, batches, pad_token_id=setup.base.config.pad_token_id, reference="greedy",
+            tokenizer=setup.tokenizer, references=references, progress=progress,
+            description=f"bench batch {greedy.batch_size}, CTranslate2",
+        )  # fmt: skip
+    results = [by_mode[mode] for mode in modes]
+    for result in results:
+        result.speedup = greedy.seconds / result.seconds if result.seconds else None
+    return results
+
+
+def _recording(runner: Runner, outputs: dict[int, Any]) -> Runner:
+    """`runner`, keeping each batch's output by `id(batch)`."""
+
+    def run(batch: Batch, earlier: Any) -> Any:
+        outputs[id(batch)] = runner(batch, earlier)
+        return outputs[id(batch)]
+
+    return run
 
 
 def block_widths(setup: BenchSetup, modes: Sequence[str]) -> dict[str, int]:

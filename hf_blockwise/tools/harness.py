@@ -270,4 +270,4 @@ def _score(results: Sequence[ModeResult], baseline: ModeResult | None, reference
         if references is not None and result.texts:
             if len(references) != len(result.texts):
                 raise ValueError(f"{len(result.texts)} outputs but {len(references)} references")
-            result.bleu = sacrebleu.corpus_bleu(result.texts, [list(references)]).score
+            result.bleu = sacrebleu.corpus_bleu(result.texts, [list(references)], force=True).score
