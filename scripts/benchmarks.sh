@@ -27,7 +27,7 @@ hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.
     --fast-path --out docs/bench/multi30k-fast-path
 # error correction with input-guided drafts (Ge et al. Table 1 shape): JFLEG dev and W&I+LOCNESS dev
 hf-blockwise bench --model $gec --source-file $data/jfleg/dev.src --reference-file $data/jfleg/dev.ref0 \
-    --modes greedy prompt_lookup iad greedy_int8 iad_int8 ct2 ct2_int8 --batch-sizes 1 --threads 2 \
+    --modes greedy prompt_lookup iad iad_realign greedy_int8 iad_int8 ct2 ct2_int8 --batch-sizes 1 --threads 2 \
     --out docs/bench/gec-jfleg
 hf-blockwise bench --model $gec --source-file $data/gec_wi_locness/dev.src.gz \
     --reference-file $data/gec_wi_locness/dev.tgt.gz --sentences 300 --modes greedy prompt_lookup iad \
@@ -72,3 +72,7 @@ hf-blockwise bench --model $gec --source-file $data/jfleg/dev.src --reference-fi
 hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz \
     --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 300 --batch-sizes 1 16 --threads 2 \
     --modes greedy heads feature greedy_int8 heads_int8 ct2 ct2_int8 --out docs/bench/multi30k-ct2
+# the same at one thread, where CTranslate2 (which runs one thread in the bench) and torch have equal threads
+hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz \
+    --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 300 --batch-sizes 1 --threads 1 \
+    --modes greedy heads feature greedy_int8 ct2 ct2_int8 --out docs/bench/multi30k-ct2-1thread

@@ -835,7 +835,9 @@ Research artefact trained here by `training/train_base.py --task gec` (the exact
   |---|---|---|
   {score_rows}
 
-  BLEU is a rough proxy for GEC (usually scored with GLEU / ERRANT F0.5).
+  BLEU is a rough proxy for GEC (usually scored with GLEU / ERRANT F0.5). A model below the copy column
+  still changes more correct text than it fixes; it is shipped to try input-guided decoding, not to
+  correct text.
 - **Use**: `hf-blockwise bench --model <this dir> --source-file ../shared/data/jfleg/dev.src --modes greedy iad` decodes it with
   input-guided drafts (`hf_blockwise.InputCopyDrafter`); the output is identical to greedy.
 - **Stored** in fp16, loaded as float32 (`config.json` says so).

@@ -3,8 +3,8 @@
 When the output is mostly a copy of the input (grammatical error correction, simplification, post-editing),
 the rest of the source after the point where output and source last agree is an excellent draft. After a
 draft is rejected, Ge's Algorithm 1 decodes one verified token at a time until the output's last tokens match a
-*unique* substring of the source again; drafting then resumes right after that match. By default this drafter
-also drafts right after the edit, from where the source resumes (`realign`): the source after the output's last
+*unique* substring of the source again; drafting then resumes right after that match. With `realign=True` this
+drafter also drafts right after the edit, from where the source resumes: the source after the output's last
 anchor, past what the edit replaced or deleted.
 
 transformers' prompt lookup searches only the decoder's own tokens, so for an encoder-decoder model it never
@@ -162,12 +162,13 @@ class InputCopyDrafter(Drafter):
         max_draft_length (`int`, defaults to 32): most source tokens drafted per step (Ge drafts the whole
             rest of the source; a cap bounds the width of one verification pass).
         max_ngram (`int`, defaults to 8): longest output suffix searched in the source to re-anchor.
-        realign (`bool`, defaults to `True`): after an edit, draft from where the source resumes
-            ([`realign_after_edit`]); `False` is Ge's Algorithm 1, which drafts again only once the output's suffix
-            matches the source uniquely.
+        realign (`bool`, defaults to `False`): after an edit, draft at once from where the source resumes
+            ([`realign_after_edit`]) instead of waiting, as Ge's Algorithm 1 does, until the output's suffix matches
+            the source uniquely again. On JFLEG dev with the shipped gec-en it cut decoder calls by 10% (9.7 tokens
+            per call against 8.8) but ran 3% slower: the realigned drafts that fail make wider calls.
     """
 
-    def __init__(self, model: nn.Module, max_draft_length: int = 32, max_ngram: int = 8, realign: bool = True) -> None:
+    def __init__(self, model: nn.Module, max_draft_length: int = 32, max_ngram: int = 8, realign: bool = False) -> None:
         if max_draft_length < 1 or max_ngram < 1:
             raise ValueError(f"max_draft_length and max_ngram must be >= 1, got {max_draft_length}, {max_ngram}")
 

@@ -62,8 +62,8 @@ except ModuleNotFoundError as error:  # the optional extra: pip install -e .[ctr
 
 MODE_NAMES = (
     "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_full_vocab", "heads_top2", "seq_heads", "feature",
-    "composite", "iad", "iad_ge", "gad", "gad_pp", "greedy_int8", "heads_int8", "iad_int8", "loop", "oracle", "ct2",
-    "ct2_int8",
+    "composite", "iad", "iad_realign", "gad", "gad_pp", "greedy_int8", "heads_int8", "iad_int8", "loop", "oracle",
+    "ct2", "ct2_int8",
 )  # fmt: skip
 DEFAULT_MODES = (
     "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_top2", "seq_heads", "feature", "composite", "iad",
@@ -291,8 +291,8 @@ def mode_runner(mode: str, setup: BenchSetup) -> Runner:
         rule = TopKAcceptance(2) if mode == "heads_top2" else None
         drafter = setup.heads_model.drafter(use_shortlist=mode != "heads_full_vocab")
         return _blockwise_runner(setup.heads_model, limit, assistant=drafter, acceptance=rule)
-    if mode in ("iad", "iad_ge"):  # iad_ge: Ge's Algorithm 1, no draft until the output re-anchors after an edit
-        drafter = InputCopyDrafter(base, max_draft_length=setup.iad_max_draft_length, realign=mode == "iad")
+    if mode in ("iad", "iad_realign"):  # iad_realign: drafts right after an edit too
+        drafter = InputCopyDrafter(base, max_draft_length=setup.iad_max_draft_length, realign=mode == "iad_realign")
         return _blockwise_runner(base, limit, custom_generate=blockwise_generate, assistant=drafter)
     if mode in ("gad", "gad_pp"):
         nar = setup.nar_drafter
