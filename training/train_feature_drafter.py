@@ -18,8 +18,8 @@ Exact commands (from the repository root; wall times in ``training/README.md``):
         --epochs 1 --block-size 3 --ship hf_blockwise/pretrained/multi30k-en-de/feature-drafter
 
     python training/train_feature_drafter.py --base hf_blockwise/pretrained/gec-en \
-        --distilled checkpoints/distill-gec-en --out checkpoints/feature-gec --task gec --epochs 1 --block-size 3 \
-        --ship hf_blockwise/pretrained/gec-en/feature-drafter
+        --distilled checkpoints/distill-gec-en-v2 --out checkpoints/feature-gec-v2 --task gec --epochs 1 \
+        --block-size 3 --ship hf_blockwise/pretrained/gec-en/feature-drafter
 """
 
 from __future__ import annotations
