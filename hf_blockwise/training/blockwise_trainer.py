@@ -9,13 +9,13 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from transformers import AutoModelForSeq2SeqLM, Seq2SeqTrainer
+from transformers import AutoModelForSeq2SeqLM
 from transformers.trainer import TRAINING_ARGS_NAME
 
 from hf_blockwise.modeling.config import CONFIG_NAME
 from hf_blockwise.modeling.model import ADAPTER_WEIGHTS_NAME, WEIGHTS_NAME, BlockwiseHeadsModel
 from hf_blockwise.training.blockwise_config import BlockwiseTrainingArguments
-from hf_blockwise.training.common import Seq2SeqPadCollator, StepMetrics, decode_trainer_dataset
+from hf_blockwise.training.common import Seq2SeqPadCollator, StepMetricsTrainer
 
 # In a checkpoint written while the base is trained, the base sits beside the heads.
 BASE_IN_CHECKPOINT = "."
@@ -35,7 +35,7 @@ def _with_lora(base_model: nn.Module, args: BlockwiseTrainingArguments) -> nn.Mo
     return get_peft_model(base_model, config)
 
 
-class BlockwiseTrainer(Seq2SeqTrainer):
+class BlockwiseTrainer(StepMetricsTrainer):
     """Trains the heads of a [`BlockwiseHeadsModel`] with the loss of Stern et al. §6.
 
     - `head_loss="mean"` or `"sampled"` (one head per minibatch); per-head loss and top-1 accuracy are logged
@@ -59,7 +59,6 @@ class BlockwiseTrainer(Seq2SeqTrainer):
         if "data_collator" not in kwargs or kwargs["data_collator"] is None:
             kwargs["data_collator"] = Seq2SeqPadCollator(model.base_model.config.pad_token_id)
         super().__init__(model=model, args=args, **kwargs)
-        self._step_metrics = StepMetrics()
         self._head_rng = random.Random(args.seed)
 
     def compute_loss(
@@ -85,28 +84,10 @@ class BlockwiseTrainer(Seq2SeqTrainer):
         for head, (loss, accuracy) in enumerate(
             zip(outputs.head_losses.tolist(), outputs.head_accuracies.tolist(), strict=True)
         ):
-            self._step_metrics.add(split, f"head_{head + 1}_loss", loss)
-            self._step_metrics.add(split, f"head_{head + 1}_accuracy", accuracy)
+            self.step_metrics.add(split, f"head_{head + 1}_loss", loss)
+            self.step_metrics.add(split, f"head_{head + 1}_accuracy", accuracy)
         if outputs.base_loss is not None:
-            self._step_metrics.add(split, "base_loss", float(outputs.base_loss))
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        logs.update(self._step_metrics.pop_means(logs))
-        super().log(logs, start_time)
-
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **gen_kwargs):
-        metrics = super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        decoding = self.decode_dataset(dataset)
-        decoding = {f"{metric_key_prefix}_{key}": value for key, value in decoding.items()}
-        self.log(dict(decoding))
-        metrics.update(decoding)
-        return metrics
-
-    @torch.no_grad()
-    def decode_dataset(self, dataset) -> dict[str, float]:
-        """Blockwise-decodes (the first `eval_decoding_samples` of) `dataset`; mean accepted block and BLEU."""
-        return decode_trainer_dataset(self, dataset)
+            self.step_metrics.add(split, "base_loss", float(outputs.base_loss))
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir

@@ -1,4 +1,5 @@
-"""What both trainers share: the padding collator, per-step metrics, the evaluation decode, argument checks."""
+"""What the trainers share: the padding collator, per-step metrics and the trainer base that logs them, the
+evaluation decode, argument checks."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import Seq2SeqTrainingArguments
+from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
 from hf_blockwise.tools.harness import measure
 
@@ -46,7 +47,7 @@ class StepMetrics:
     """Metrics recorded at each training or evaluation step, averaged into the next `Trainer.log` call.
 
     A log call that carries `loss` is a training log and takes the training means; any other is an evaluation
-    log and takes the evaluation means under an `eval_` prefix. Both trainers keep one.
+    log and takes the evaluation means under an `eval_` prefix. Every trainer keeps one ([`StepMetricsTrainer`]).
     """
 
     def __init__(self) -> None:
@@ -136,3 +137,31 @@ def decode_trainer_dataset(trainer: Any, dataset) -> dict[str, float]:
     )
     model.train(was_training)
     return results
+
+
+class StepMetricsTrainer(Seq2SeqTrainer):
+    """The base of this package's trainers: per-step metrics ([`StepMetrics`], filled by `compute_loss` through
+    `self.step_metrics`) averaged into each log, and `evaluate` extended by [`evaluation_decoding`].
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.step_metrics = StepMetrics()
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        logs.update(self.step_metrics.pop_means(logs))
+        super().log(logs, start_time)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **gen_kwargs):
+        metrics = super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        decoding = {f"{metric_key_prefix}_{key}": value for key, value in self.evaluation_decoding(dataset).items()}
+        if decoding:
+            self.log(dict(decoding))
+            metrics.update(decoding)
+        return metrics
+
+    def evaluation_decoding(self, dataset) -> dict[str, float]:
+        """What `evaluate` adds from decoding `dataset`: by default [`decode_trainer_dataset`] (blockwise decoding
+        with the trained model: `mean_accepted` and, given a tokenizer, `bleu`)."""
+        return decode_trainer_dataset(self, dataset)

@@ -8,16 +8,15 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from transformers import Seq2SeqTrainer
 from transformers.trainer import TRAINING_ARGS_NAME
 
 from hf_blockwise.modeling.config import FEATURE_DRAFTER_CONFIG_NAME
 from hf_blockwise.modeling.feature_model import FEATURE_DRAFTER_WEIGHTS_NAME, FeatureDrafterModel
-from hf_blockwise.training.common import Seq2SeqPadCollator, StepMetrics, decode_trainer_dataset
+from hf_blockwise.training.common import Seq2SeqPadCollator, StepMetricsTrainer
 from hf_blockwise.training.feature_config import FeatureDrafterTrainingArguments
 
 
-class FeatureDrafterTrainer(Seq2SeqTrainer):
+class FeatureDrafterTrainer(StepMetricsTrainer):
     """Trains a feature drafter (EAGLE-style) on a frozen base: exact decoding by construction.
 
     - The loss is `feature_loss_weight * smooth-L1(states) + token_loss_weight * cross-entropy(greedy token)`,
@@ -38,7 +37,6 @@ class FeatureDrafterTrainer(Seq2SeqTrainer):
         if kwargs.get("data_collator") is None:
             kwargs["data_collator"] = Seq2SeqPadCollator(model.base_model.config.pad_token_id)
         super().__init__(model=model, args=args, **kwargs)
-        self._step_metrics = StepMetrics()
 
     def compute_loss(
         self,
@@ -61,23 +59,10 @@ class FeatureDrafterTrainer(Seq2SeqTrainer):
                 strict=True,
             )
         ):  # fmt: skip
-            self._step_metrics.add(split, f"step_{step + 1}_feature_loss", feature)
-            self._step_metrics.add(split, f"step_{step + 1}_token_loss", token)
-            self._step_metrics.add(split, f"step_{step + 1}_accuracy", accuracy)
+            self.step_metrics.add(split, f"step_{step + 1}_feature_loss", feature)
+            self.step_metrics.add(split, f"step_{step + 1}_token_loss", token)
+            self.step_metrics.add(split, f"step_{step + 1}_accuracy", accuracy)
         return (loss, outputs) if return_outputs else loss
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        logs.update(self._step_metrics.pop_means(logs))
-        super().log(logs, start_time)
-
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **gen_kwargs):
-        metrics = super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        decoding = decode_trainer_dataset(self, dataset)
-        decoding = {f"{metric_key_prefix}_{key}": value for key, value in decoding.items()}
-        self.log(dict(decoding))
-        metrics.update(decoding)
-        return metrics
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir

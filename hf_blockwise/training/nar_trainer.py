@@ -6,12 +6,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import Seq2SeqTrainer
 
 from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.nar import NonAutoregressiveDrafter
 from hf_blockwise.generation.loop import blockwise_generate
-from hf_blockwise.training.common import Seq2SeqPadCollator, StepMetrics, decode_for_evaluation
+from hf_blockwise.training.common import Seq2SeqPadCollator, StepMetricsTrainer, decode_for_evaluation
 from hf_blockwise.training.nar_config import NARDrafterTrainingArguments
 
 
@@ -58,7 +57,7 @@ def sample_draft_rows(
     return decoder_input_ids, draft_positions, draft_labels
 
 
-class NARDrafterTrainer(Seq2SeqTrainer):
+class NARDrafterTrainer(StepMetricsTrainer):
     """Trains a non-autoregressive drafter to predict the next `block_size - 1` target tokens after a random prefix.
 
     Datasets hold `input_ids` (source) and `labels` (the full target, end-of-sequence included); each step
@@ -99,7 +98,6 @@ class NARDrafterTrainer(Seq2SeqTrainer):
         self.drafter_config = drafter.config
         # a BlockwiseHeadsModel's own generate would bring its heads; the drafter is what is evaluated here
         self.verifier = None if verifier is None else hf.unwrap_base(verifier)
-        self._step_metrics = StepMetrics()
 
     def compute_loss(
         self,
@@ -134,20 +132,11 @@ class NARDrafterTrainer(Seq2SeqTrainer):
         for index in range(draft_labels.shape[1]):
             if bool(is_label[:, index].any()):
                 accuracy = correct[:, index].sum() / is_label[:, index].sum()
-                self._step_metrics.add(split, f"draft_{index + 1}_accuracy", float(accuracy))
+                self.step_metrics.add(split, f"draft_{index + 1}_accuracy", float(accuracy))
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        logs.update(self._step_metrics.pop_means(logs))
-        super().log(logs, start_time)
-
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **gen_kwargs):
-        metrics = super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
-        if self.verifier is not None:
-            dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-            decoding = {f"{metric_key_prefix}_mean_accepted": self.mean_accepted(dataset)}
-            self.log(dict(decoding))
-            metrics.update(decoding)
-        return metrics
+    def evaluation_decoding(self, dataset) -> dict[str, float]:
+        """With a verifier, the drafter's mean accepted block on `dataset` ([`mean_accepted`]); else nothing."""
+        return {} if self.verifier is None else {"mean_accepted": self.mean_accepted(dataset)}
 
     @torch.no_grad()
     def mean_accepted(self, dataset) -> float:
