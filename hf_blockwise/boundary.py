@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForSeq2SeqLM, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.generation import GenerationConfig, GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
@@ -637,7 +637,7 @@ def warn_if_other_base(recorded: str | None, base_model: nn.Module, what: str) -
         warnings.warn(
             f"These {what} were trained for base {recorded!r} and are attached to {actual!r}: decoding stays exact, "
             "but their drafts will rarely be accepted unless the two are the same model",
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
@@ -661,6 +661,32 @@ def check_local_path(name_or_path: str | os.PathLike, what: str) -> None:
         where = os.path.abspath(os.path.expanduser(text))
         kind = "a file, not a directory" if os.path.isfile(where) else "no such directory"
         raise ValueError(f"{what} {text!r}: {kind} ({where}); check the path (hub ids have the form 'org/name')")
+
+
+def adapter_base(
+    adapter_name_or_path: str | os.PathLike,
+    recorded: str | None,
+    base_model: nn.Module | None,
+    what: str,
+    base_model_kwargs: dict[str, Any],
+) -> tuple[str | None, nn.Module]:
+    """The base an adapter (heads, feature drafter) attaches to, and where its config says that base is.
+
+    With `base_model` given, that one, with a warning when the adapter was trained for another named base
+    ([`warn_if_other_base`]); else the recorded base ([`resolved_base_location`]) loaded with
+    `AutoModelForSeq2SeqLM.from_pretrained(location, **base_model_kwargs)`.
+    """
+    location = resolved_base_location(adapter_name_or_path, recorded)
+    if base_model is not None:
+        warn_if_other_base(location, unwrap_base(base_model), what)
+        return location, base_model
+    if location is None:
+        raise ValueError(
+            f"{adapter_name_or_path} names no base checkpoint (base_model_name_or_path is null); pass base_model= "
+            "explicitly"
+        )
+    check_local_path(location, "the recorded base model (pass base_model= to attach one)")
+    return location, AutoModelForSeq2SeqLM.from_pretrained(location, **base_model_kwargs)
 
 
 def has_file(name_or_path: str | os.PathLike, filename: str) -> bool:

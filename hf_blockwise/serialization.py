@@ -1,4 +1,5 @@
-"""Atomic file writes, so that an interrupted save never leaves a half-written checkpoint behind."""
+"""Atomic file writes, so that an interrupted save never leaves a half-written checkpoint behind, and the checked
+loading of an adapter's weights."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ import os
 import tempfile
 from collections.abc import Callable
 from contextlib import suppress
+
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import nn
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
@@ -42,3 +47,19 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
             os.fsync(handle.fileno())
 
     atomic_write(path, write)
+
+
+def load_checked_weights(path: str, module: nn.Module, what: str) -> None:
+    """Loads the safetensors file `path` into `module`, with a `ValueError` naming the file when it cannot be read
+    or its tensors are not the module's (names and shapes), e.g. `what="Head"` for proposal heads."""
+    try:
+        tensors = load_file(path)
+    except (SafetensorError, OSError) as error:
+        raise ValueError(
+            f"Cannot read {what.lower()} weights from {path}: {error}. The file is corrupt or truncated"
+        ) from error
+    expected = {name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
+    found = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
+    if found != expected:
+        raise ValueError(f"{what} weights in {path} do not match the config: expected {expected}, found {found}")
+    module.load_state_dict(tensors)

@@ -7,10 +7,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
-from transformers import AutoModelForSeq2SeqLM, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from hf_blockwise import boundary as hf
@@ -20,7 +19,7 @@ from hf_blockwise.generation.loop import blockwise_generate
 from hf_blockwise.modeling.config import FEATURE_DRAFTER_CONFIG_NAME, FeatureDrafterConfig
 from hf_blockwise.modeling.feature_layer import AttentionMemory, FeatureDrafterLayer, unrolled_mask
 from hf_blockwise.modeling.shortlist import shortlist_ids
-from hf_blockwise.serialization import atomic_write
+from hf_blockwise.serialization import atomic_write, load_checked_weights
 
 FEATURE_DRAFTER_WEIGHTS_NAME = "feature_drafter.safetensors"
 _OWN_DRAFTER = object()
@@ -276,24 +275,11 @@ class FeatureDrafterModel(BaseModelWrapper):
                 a relative name being looked up beside the drafter first.
         """
         config = FeatureDrafterConfig.from_json_file(resolve_file(drafter_name_or_path, FEATURE_DRAFTER_CONFIG_NAME))
-        location = hf.resolved_base_location(drafter_name_or_path, config.base_model_name_or_path)
+        location, base_model = hf.adapter_base(
+            drafter_name_or_path, config.base_model_name_or_path, base_model, "feature drafter weights",
+            base_model_kwargs,
+        )  # fmt: skip
         config = replace(config, base_model_name_or_path=location)
-        if base_model is None:
-            if location is None:
-                raise ValueError(f"{drafter_name_or_path} names no base checkpoint; pass base_model= explicitly")
-            hf.check_local_path(location, "the recorded base model (pass base_model= to attach one)")
-            base_model = AutoModelForSeq2SeqLM.from_pretrained(location, **base_model_kwargs)
-        else:
-            hf.warn_if_other_base(location, hf.unwrap_base(base_model), "feature drafter weights")
         model = cls(hf.unwrap_base(base_model), config)
-        path = resolve_file(drafter_name_or_path, FEATURE_DRAFTER_WEIGHTS_NAME)
-        try:
-            tensors = load_file(path)
-        except (SafetensorError, OSError) as error:
-            raise ValueError(f"Cannot read drafter weights from {path}: {error}. The file is corrupt") from error
-        expected = {name: tuple(tensor.shape) for name, tensor in model.layer.state_dict().items()}
-        found = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
-        if found != expected:
-            raise ValueError(f"Drafter weights in {path} do not match its config: expected {expected}, found {found}")
-        model.layer.load_state_dict(tensors)
+        load_checked_weights(resolve_file(drafter_name_or_path, FEATURE_DRAFTER_WEIGHTS_NAME), model.layer, "Drafter")
         return model

@@ -10,10 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
-from transformers import AutoModelForSeq2SeqLM, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from hf_blockwise import boundary as hf
@@ -30,7 +29,7 @@ from hf_blockwise.generation.loop import blockwise_generate
 from hf_blockwise.modeling.config import CONFIG_NAME, BlockwiseConfig
 from hf_blockwise.modeling.heads import BlockwiseHeads, SequentialHeads
 from hf_blockwise.modeling.shortlist import shortlist_ids
-from hf_blockwise.serialization import atomic_write
+from hf_blockwise.serialization import atomic_write, load_checked_weights
 
 WEIGHTS_NAME = "blockwise_heads.safetensors"
 # PEFT's own file names: a LoRA adapter on the base is stored beside the heads exactly as PEFT stores it.
@@ -318,24 +317,16 @@ class BlockwiseHeadsModel(BaseModelWrapper):
                 model.
         """
         config = BlockwiseConfig.from_json_file(resolve_file(heads_name_or_path, CONFIG_NAME))
-        location = hf.resolved_base_location(heads_name_or_path, config.base_model_name_or_path)
+        location, base_model = hf.adapter_base(
+            heads_name_or_path, config.base_model_name_or_path, base_model, "proposal heads", base_model_kwargs
+        )
         config = dataclasses.replace(config, base_model_name_or_path=location)
-        if base_model is None:
-            if location is None:
-                raise ValueError(
-                    f"{heads_name_or_path} names no base checkpoint (base_model_name_or_path is null); pass "
-                    "base_model= explicitly"
-                )
-            hf.check_local_path(location, "the recorded base model (pass base_model= to attach one)")
-            base_model = AutoModelForSeq2SeqLM.from_pretrained(location, **base_model_kwargs)
-        else:
-            hf.warn_if_other_base(location, hf.unwrap_base(base_model), "proposal heads")
         if has_file(heads_name_or_path, ADAPTER_CONFIG_NAME):
             from peft import PeftModel
 
             base_model = PeftModel.from_pretrained(base_model, str(heads_name_or_path)).merge_and_unload()
         model = cls(base_model, config)
-        model.heads.load_state_dict(_load_head_weights(resolve_file(heads_name_or_path, WEIGHTS_NAME), model.heads))
+        load_checked_weights(resolve_file(heads_name_or_path, WEIGHTS_NAME), model.heads, "Head")
         return model
 
 
@@ -382,15 +373,3 @@ def _save_adapter_atomically(peft_model: nn.Module, save_directory: str | os.Pat
         peft_model.save_pretrained(scratch)
         for name in os.listdir(scratch):
             os.replace(os.path.join(scratch, name), os.path.join(save_directory, name))
-
-
-def _load_head_weights(path: str, heads: BlockwiseHeads) -> dict[str, torch.Tensor]:
-    try:
-        tensors = load_file(path)
-    except (SafetensorError, OSError) as error:
-        raise ValueError(f"Cannot read head weights from {path}: {error}. The file is corrupt or truncated") from error
-    expected = {name: tuple(tensor.shape) for name, tensor in heads.state_dict().items()}
-    found = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
-    if found != expected:
-        raise ValueError(f"Head weights in {path} do not match the config: expected {expected}, found {found}")
-    return tensors
