@@ -158,7 +158,10 @@ def test_processors_run_once_per_deciding_column_with_the_prefix_greedy_would_se
     torch.testing.assert_close(scores[1, :2], logits[1, 2:] - 1.0)  # row 1 decides at columns 2 and 3
 
 
-def test_advance_crops_to_the_shortest_verified_prefix_and_drops_finished_rows() -> None:
+def verified_step(stopped: list[bool]) -> tuple:
+    """A two-row state (lengths 4 and 6, 3 cached), the 4-column feed of its step (row 0: 1 pending + 3 drafts,
+    row 1: 3 pending + 1 draft, written into the cache) and its verdict (row 0 accepts 2 drafts + 1 token, row 1
+    gains 1 token), rows stopping as `stopped` says."""
     state = make_state(SEQUENCES, [4, 6], cache_length=3)
     feed = StepFeed(
         tokens=torch.tensor([[4, 1, 2, 3], [5, 6, 7, 8]]),
@@ -172,8 +175,13 @@ def test_advance_crops_to_the_shortest_verified_prefix_and_drops_finished_rows()
         new_tokens=torch.tensor([[1, 2, 5, 0], [4, 0, 0, 0]]),
         num_new=torch.tensor([3, 1]),
         num_accepted=torch.tensor([2, 0]),
-        stopped=torch.tensor([False, False]),
+        stopped=torch.tensor(stopped),
     )
+    return state, feed, verdict
+
+
+def test_advance_crops_to_the_shortest_verified_prefix_and_drops_finished_rows() -> None:
+    state, feed, verdict = verified_step([False, False])
     after = advance(state, make_setup(), feed, verdict, states=None)
     # row 0 verified 3 + 1 + 2 = 6 cached positions, row 1 3 + 3 + 0 = 6: the cache keeps 6
     assert after.cache_length == 6 and after.cache.get_seq_length() == 6
@@ -206,21 +214,7 @@ def test_advance_crops_to_the_shortest_verified_prefix_and_drops_finished_rows()
 def test_advance_hands_every_state_of_the_pass_with_its_verified_columns() -> None:
     """What a feature drafter continues from: the pass's states, the position of column 0, and per row the
     columns whose input and next token are both verified now (pending fed + drafts accepted)."""
-    state = make_state(SEQUENCES, [4, 6], cache_length=3)
-    feed = StepFeed(
-        tokens=torch.tensor([[4, 1, 2, 3], [5, 6, 7, 8]]),
-        num_pending=torch.tensor([1, 3]),
-        num_pending_fed=torch.tensor([1, 3]),
-        num_drafts_fed=torch.tensor([3, 1]),
-        deciding=torch.tensor([True, True]),
-    )
-    state.cache.self_attention_cache.update(torch.zeros(2, 1, 4, 1), torch.zeros(2, 1, 4, 1), 0)
-    verdict = Verdict(
-        new_tokens=torch.tensor([[1, 2, 5, 0], [4, 0, 0, 0]]),
-        num_new=torch.tensor([3, 1]),
-        num_accepted=torch.tensor([2, 0]),
-        stopped=torch.tensor([False, True]),
-    )
+    state, feed, verdict = verified_step([False, True])
     states = torch.arange(2 * 4 * 3, dtype=torch.float).reshape(2, 4, 3)  # (b, W, d)
     after = advance(state, make_setup(), feed, verdict, states=states)
     verified = after.verified_states
