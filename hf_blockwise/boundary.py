@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AutoModelForSeq2SeqLM, PretrainedConfig, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache, StaticLayer
 from transformers.generation import GenerationConfig, GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import (
@@ -197,10 +197,72 @@ def adapt_generate_call(
 
 
 def crop_cache(cache: Cache, length: int) -> None:
-    """Crops the decoder self-attention cache to its first `length` positions (cross-attention is kept)."""
+    """Crops the decoder self-attention cache to its first `length` positions (cross-attention is kept).
+
+    A static cache ([`static_decoder_cache`]) is cropped by moving its write position back, with no host read:
+    the entries past it stay in the buffer, where causal attention hides them until they are overwritten.
+    """
+    if is_static_cache(cache):
+        for layer in cache.self_attention_cache.layers:
+            layer.cumulative_length.fill_(length)
+        return
     current = cache.get_seq_length()
     if length < current:
         cache.crop(length - current)
+
+
+def static_decoder_cache(num_layers: int, max_cache_len: int) -> EncoderDecoderCache:
+    """An encoder-decoder cache whose self-attention layers are preallocated buffers of `max_cache_len` positions
+    (transformers' `StaticLayer`, one per decoder layer), for the compiled engine.
+
+    The layers exist from the start (transformers sizes the attention mask of the first forward from them; a layer
+    created on first write would get a mask as long as the new tokens only). They are plain, not sliding-window
+    layers, which could not be cropped back: the model's mask applies any window.
+
+    Every forward then sees keys and values of the same shape, whatever the decoded length, so one compiled graph
+    serves the whole call; cropping is a write-position move ([`crop_cache`]). Cross-attention keeps a dynamic
+    cache: it is written once, by the (eager) first forward, and read unchanged afterwards.
+    """
+    layers = [StaticLayer(max_cache_len=max_cache_len) for _ in range(num_layers)]
+    return EncoderDecoderCache(Cache(layers=layers), DynamicCache())
+
+
+def static_cache_capacity(cache: EncoderDecoderCache) -> int:
+    """Positions each self-attention buffer of a [`static_decoder_cache`] holds."""
+    return cache.self_attention_cache.layers[0].max_cache_len
+
+
+def static_cache_mask(cache: EncoderDecoderCache, tokens: torch.Tensor) -> torch.Tensor:
+    """The decoder attention mask that goes with a static cache: every buffer position may be attended to as far as
+    padding goes (causal masking from the cache's write position hides the ones not written yet).
+
+    Without it, transformers' decoders build a padding mask as long as the valid positions only, while the
+    attention reads the whole buffer, and the empty slots are attended to.
+
+    Returns:
+        `torch.LongTensor` of shape `(batch_size, capacity)`.
+    """
+    return tokens.new_ones(tokens.shape[0], static_cache_capacity(cache))
+
+
+def unpin_static_cache(cache: EncoderDecoderCache) -> None:
+    """Clears the static-address marks transformers' `StaticLayer` puts on its buffers (for CUDA graphs).
+
+    Inductor's freezing turns marked inputs into constants of the graph, like the weights: the cache would then be
+    frozen at its compile-time contents. Called after the first forward, which allocates the buffers.
+    """
+    for layer in cache.self_attention_cache.layers:
+        for tensor in (layer.keys, layer.values, layer.cumulative_length):
+            if hasattr(tensor, "_dynamo_static_input_type"):
+                del tensor._dynamo_static_input_type
+
+
+def is_static_cache(cache: Cache) -> bool:
+    """Whether `cache` is one of [`static_decoder_cache`]'s."""
+    if not isinstance(cache, EncoderDecoderCache):
+        return False
+    self_attention = cache.self_attention_cache
+    return bool(self_attention.layers) and all(isinstance(layer, StaticLayer) for layer in self_attention.layers)
 
 
 def new_decoder_cache() -> EncoderDecoderCache:
@@ -225,7 +287,12 @@ def loop_decoder_cache(model_kwargs: dict[str, Any]) -> EncoderDecoderCache:
 
 def select_cache_rows(cache: EncoderDecoderCache, rows: torch.Tensor) -> None:
     """Keeps only `rows` (batch indices, shape `(num_rows,)`) of the cache, in place, self- and cross-attention."""
-    cache.batch_select_indices(rows)
+    if not is_static_cache(cache):
+        cache.batch_select_indices(rows)
+        return
+    for layer in cache.self_attention_cache.layers:  # transformers selects rows of dynamic caches only
+        layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+    cache.cross_attention_cache.batch_select_indices(rows)
 
 
 def select_forward_rows(kwargs: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
@@ -457,6 +524,11 @@ def position_limit(stack: nn.Module | None) -> int | None:
     return table.num_embeddings - int(getattr(table, "offset", 0))
 
 
+def decoder_position_limit(model: nn.Module) -> int | None:
+    """[`position_limit`] of the model's decoder stack."""
+    return position_limit(_stack(model, "get_decoder"))
+
+
 def _stack(model: nn.Module, getter: str) -> nn.Module | None:
     get = getattr(model, getter, None)
     return get() if callable(get) else None
@@ -488,7 +560,7 @@ def check_decoder_length(model: nn.Module, max_length: int, prompt_length: int) 
 
     Greedy search feeds positions 0 .. max_length - 2 (the last token is never fed), and so does the loop.
     """
-    limit = position_limit(_stack(model, "get_decoder"))
+    limit = decoder_position_limit(model)
     if limit is not None and max_length - 1 > limit:
         raise ValueError(
             f"max_length {max_length} (decoder prompt {prompt_length} + {max_length - prompt_length} new tokens) "
@@ -506,6 +578,16 @@ def decoder_config(config: PretrainedConfig) -> PretrainedConfig:
     """
     sub_config = getattr(config, "decoder", None)
     return sub_config if isinstance(sub_config, PretrainedConfig) else config
+
+
+def decoder_layer_count(model: nn.Module) -> int:
+    """How many layers the model's decoder has, from the standard transformers config attributes."""
+    config = decoder_config(model.config)
+    for name in ("decoder_layers", "num_decoder_layers", "num_hidden_layers", "num_layers"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ValueError(f"Cannot tell how many decoder layers a {type(model.config).__name__} has from its config")
 
 
 def decoder_ffn_width(config: Any) -> int:

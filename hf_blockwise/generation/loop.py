@@ -8,6 +8,7 @@ transformers' calling convention (through `boundary`), checks the model once, an
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.base import Drafter, NoDrafter
 from hf_blockwise.generation.acceptance import AcceptanceRule, ExactAcceptance
 from hf_blockwise.generation.capability import check_decoder, check_verification_width
+from hf_blockwise.generation.engine import CompileOptions, compiled_decoder
 from hf_blockwise.generation.state import DecodingSetup, DecodingState, DecodingStats
 from hf_blockwise.generation.step import decode_step
 
@@ -88,6 +90,7 @@ def blockwise_generate(
     inputs_tensor: torch.Tensor | None = None,
     assistant: Drafter | None = None,
     acceptance: AcceptanceRule | None = None,
+    blockwise_compile: bool | CompileOptions = False,
     **model_kwargs: Any,
 ):
     """Blockwise parallel decoding, to be passed as `model.generate(..., custom_generate=blockwise_generate)`.
@@ -101,6 +104,11 @@ def blockwise_generate(
     Args:
         assistant ([`Drafter`], *optional*): what proposes tokens; `None` proposes nothing (plain greedy).
         acceptance ([`AcceptanceRule`], *optional*): defaults to [`ExactAcceptance`].
+        blockwise_compile (`bool` or [`CompileOptions`], defaults to `False`): run the verification forward through
+            the compiled engine (`generation/engine.py`): `torch.compile` over a static cache, weights prepacked on
+            CPU, CUDA graphs on CUDA. The first call per model compiles (seconds to a minute); where compilation
+            is unavailable a warning says so and decoding runs eagerly. Its output is the engine's own greedy
+            output, which may differ from eager greedy only at a floating-point near-tie.
 
     Returns:
         `torch.LongTensor` of shape `(batch_size, sequence_length)`, or a [`BlockwiseGenerateOutput`] with
@@ -111,6 +119,10 @@ def blockwise_generate(
         model, input_ids, stopping_criteria, generation_config, synced_gpus, streamer, inputs_tensor, model_kwargs
     )
     block_size = max(int(drafter.block_size), 1)
+    options = CompileOptions.coerce(blockwise_compile)
+    engine = None if options is None else compiled_decoder(model, options)
+    if engine is not None:
+        call = dataclasses.replace(call, cache=engine.new_cache(call.stop_rules.max_length + block_size + 1))
     capability = None
     if block_size > 1:
         check_verification_width(model, block_size)
@@ -126,6 +138,7 @@ def blockwise_generate(
         pad_cut_token_id=call.pad_token_id if capability is not None and capability.positions_count_non_pad else None,
         batch_size=input_ids.shape[0],
         streamer=call.streamer,
+        engine=engine,
     )
     state = initial_state(call, setup)
     while state.num_rows > 0:

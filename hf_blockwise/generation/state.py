@@ -17,6 +17,7 @@ from transformers import LogitsProcessorList
 from hf_blockwise.boundary import StopRules
 from hf_blockwise.drafters.base import Drafter, VerifiedStates
 from hf_blockwise.generation.acceptance import AcceptanceRule
+from hf_blockwise.generation.engine import CompiledDecoder
 
 
 @dataclass
@@ -55,6 +56,8 @@ class DecodingSetup:
             tokens, the pad id after which a row's feed must end (greedy search feeds a pad alone); else `None`.
         batch_size (`int`): rows of the caller's batch (rows leave the state as they finish).
         streamer: transformers streamer fed with row 0's new tokens, if any.
+        engine ([`CompiledDecoder`], *optional*): the compiled verification forward (`blockwise_compile=`); `None`
+            runs transformers' forward eagerly.
     """
 
     model: nn.Module
@@ -67,6 +70,7 @@ class DecodingSetup:
     pad_cut_token_id: int | None
     batch_size: int
     streamer: Any = None
+    engine: CompiledDecoder | None = None
 
 
 @dataclass(frozen=True)

@@ -376,16 +376,25 @@ def drop_finished(state: DecodingState, setup: DecodingSetup, active: torch.Tens
     )
 
 
+def run_decoder(
+    state: DecodingState, setup: DecodingSetup, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The verification forward over `tokens` (shape `(b, W)`): compiled when the setup has an engine, else
+    transformers' eager forward. Returns logits `(b, W, V)` and, for drafters that read them, states `(b, W, d)`."""
+    capture = setup.drafter.reads_decoder_states
+    if setup.engine is None:
+        return hf.decoder_forward(setup.model, tokens, state.cache, state.forward_kwargs, capture_states=capture)
+    logits, states = setup.engine.forward(tokens, state.cache, state.forward_kwargs, state.cache_length)
+    return logits, states if capture else None
+
+
 def decode_step(state: DecodingState, setup: DecodingSetup) -> DecodingState:
     """One draft-verify-accept step for every row still decoding."""
     request = draft_request(state, setup)
     drafts = setup.drafter.get_candidates(request)
     check_drafts(drafts, state.num_rows)
     feed = build_feed(state, setup, drafts, request.max_drafts)
-    capture = setup.drafter.reads_decoder_states
-    logits, states = hf.decoder_forward(
-        setup.model, feed.tokens, state.cache, state.forward_kwargs, capture_states=capture
-    )  # (b, W, V), (b, W, d) or None
+    logits, states = run_decoder(state, setup, feed.tokens)  # (b, W, V), (b, W, d) or None
     columns = decision_columns(state, feed)  # (b, N)
     scores = decision_scores(state, setup, feed, logits.float(), columns)  # (b, N, V)
     new_tokens, num_accepted = verify(scores, feed, setup, columns)
