@@ -21,7 +21,8 @@ What keeps the compiled graph from recompiling during a call:
 Compiled kernels order some floating-point sums differently from eager ones, so the engine's greedy (the loop with
 no drafter) is the exact reference of its drafting modes; against transformers' eager greedy an output may differ
 only at a near-tie, which [`first_divergence`] shows. Weights changed after compilation (training,
-`load_state_dict`) are detected by their version counters and the model is compiled again.
+`load_state_dict`) are detected by their version counters and the model is compiled again (after
+`torch.compiler.reset()`: dynamo's guards do not look at weight values, so its cache would serve the old graph).
 """
 
 from __future__ import annotations
@@ -219,9 +220,13 @@ def compiled_decoder(model: nn.Module, options: CompileOptions) -> CompiledDecod
         if engine.fingerprint == weights_fingerprint(model):
             return engine
         warnings.warn(
-            f"The weights of this {type(model).__name__} changed since it was compiled; compiling it again",
+            f"The weights of this {type(model).__name__} changed since it was compiled; compiling it again "
+            "(torch.compiler.reset(): the graphs of other compiled models are compiled again too when next used)",
             stacklevel=3,
         )
+        # dynamo keeps graphs by code and guards, which do not look at weight values: a frozen graph of this model
+        # would be found again by a new engine, so every graph goes
+        torch.compiler.reset()
     try:
         replacement = CompiledDecoder(model, options)
     except CompileUnavailableError as error:

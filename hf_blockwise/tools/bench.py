@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import CompileConfig
 
 from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.composite import CompositeDrafter
@@ -46,6 +47,7 @@ from hf_blockwise.drafters.input_copy import InputCopyDrafter
 from hf_blockwise.drafters.nar import NonAutoregressiveDrafter
 from hf_blockwise.drafters.oracle import ReferenceDrafter
 from hf_blockwise.generation.acceptance import GADPlusPlusAcceptance, TopKAcceptance
+from hf_blockwise.generation.engine import CompiledDecoder, CompileOptions, compiled_decoder
 from hf_blockwise.generation.loop import blockwise_generate
 from hf_blockwise.modeling.quantization import quantize_dynamic_int8
 from hf_blockwise.serialization import atomic_write_text
@@ -60,15 +62,24 @@ except ModuleNotFoundError as error:  # the optional extra: pip install -e .[ctr
         raise
     ct2 = None
 
+# The compiled engine (`blockwise_compile=True`): `greedy_compiled` is the loop with no drafter through it, the
+# exact reference of every other `*_compiled` mode; `hf_greedy_compiled` is transformers' own greedy with a static
+# cache and a compiled forward, as a user would set it up.
+COMPILED_MODES = (
+    "greedy_compiled", "oracle_compiled", "heads_compiled", "seq_heads_compiled", "feature_compiled", "iad_compiled",
+    "composite_compiled", "gad_compiled", "hf_greedy_compiled",
+)  # fmt: skip
 MODE_NAMES = (
     "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_full_vocab", "heads_top2", "seq_heads", "feature",
     "composite", "iad", "iad_realign", "gad", "gad_pp", "greedy_int8", "heads_int8", "iad_int8", "loop", "oracle",
-    "ct2", "ct2_int8",
+    "ct2", "ct2_int8", *COMPILED_MODES,
 )  # fmt: skip
 DEFAULT_MODES = (
     "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_top2", "seq_heads", "feature", "composite", "iad",
-    "gad", "gad_pp", "loop", "oracle",
+    "gad", "gad_pp", "loop", "oracle", "greedy_compiled", "oracle_compiled", "heads_compiled", "seq_heads_compiled",
+    "feature_compiled", "iad_compiled", "composite_compiled", "hf_greedy_compiled",
 )  # fmt: skip
+COMPILED_SUFFIX = "_compiled"
 # The CPU fast path, step by step (Devlin 2017, Table 1): blockwise heads drafting over the whole vocabulary,
 # + the heads' vocabulary shortlist, + int8 matrix products (with int8 greedy as that step's exact reference).
 FAST_PATH_MODES = ("greedy", "heads_full_vocab", "heads", "greedy_int8", "heads_int8")
@@ -86,8 +97,18 @@ SIZED_MODE = re.compile(r"(heads|seq_heads|feature)_k(\d+)(?:_t([0-9.]+))?|featu
 
 
 def reference_mode(mode: str) -> str:
-    """The greedy mode whose output `mode` must reproduce: int8 modes are exact w.r.t. the int8 model."""
-    return "greedy_int8" if mode in INT8_MODES else "greedy"
+    """The greedy mode whose output `mode` must reproduce: int8 modes are exact w.r.t. the int8 model, compiled
+    modes w.r.t. the engine's own greedy (`greedy_compiled`, itself compared with eager greedy)."""
+    if mode in INT8_MODES:
+        return "greedy_int8"
+    if is_compiled_mode(mode) and mode not in ("greedy_compiled", "hf_greedy_compiled"):
+        return "greedy_compiled"
+    return "greedy"
+
+
+def is_compiled_mode(mode: str) -> bool:
+    """Whether `mode` decodes through the compiled engine (or transformers' compiled forward)."""
+    return mode.endswith(COMPILED_SUFFIX)
 
 
 def oracle_mode(block_size: int) -> str:
@@ -147,11 +168,13 @@ def available_modes(setup: BenchSetup, requested: Sequence[str]) -> list[str]:
     `oracle_k{k}` mode per block size of `setup.oracle_block_sizes`."""
     modes = []
     for mode in requested:
-        if mode not in MODE_NAMES and not ORACLE_MODE.fullmatch(mode) and not SIZED_MODE.fullmatch(mode):
+        plain = mode.removesuffix(COMPILED_SUFFIX)
+        if mode not in MODE_NAMES and not ORACLE_MODE.fullmatch(plain) and not SIZED_MODE.fullmatch(plain):
             raise ValueError(f"Unknown mode {mode!r}; choose from {MODE_NAMES}, oracle_k<k>, feature_k<k>_t<p>")
-        missing = _missing_model(setup, mode)
-        if mode == "oracle":
-            modes += [oracle_mode(k) for k in setup.oracle_block_sizes]
+        missing = _missing_model(setup, mode.removesuffix(COMPILED_SUFFIX))
+        if mode in ("oracle", "oracle_compiled"):
+            suffix = mode.removeprefix("oracle")
+            modes += [oracle_mode(k) + suffix for k in setup.oracle_block_sizes]
         elif missing:
             print(f"skipping {mode}: {missing}")
         elif mode == "assisted" and setup.assistant_model is None:
@@ -168,11 +191,14 @@ def available_modes(setup: BenchSetup, requested: Sequence[str]) -> list[str]:
             modes.append(mode)
     if "greedy_int8" not in modes and INT8_MODES & set(modes):
         modes.insert(0, "greedy_int8")
+    if "greedy_compiled" not in modes and any(reference_mode(mode) == "greedy_compiled" for mode in modes):
+        modes.insert(0, "greedy_compiled")
     if "greedy" not in modes:
         modes.insert(0, "greedy")
     modes = list(dict.fromkeys(modes))
     # references first: each batch is decoded by the modes in this order, and others are compared with them
-    return sorted(modes, key=lambda mode: mode not in ("greedy", "greedy_int8"))
+    return sorted(modes, key=lambda mode: ("greedy", "greedy_int8", "greedy_compiled").index(mode) if mode in (
+        "greedy", "greedy_int8", "greedy_compiled") else 3)  # fmt: skip
 
 
 def _missing_model(setup: BenchSetup, mode: str) -> str | None:
@@ -245,17 +271,28 @@ def _blockwise_runner(model: nn.Module, limit: int, **generate_kwargs: Any) -> R
     )
 
 
-def _oracle_runner(base: nn.Module, block_size: int, limit: int) -> Runner:
-    """Blockwise decoding that drafts greedy's own output of the same batch (the `greedy` mode's)."""
+def _oracle_runner(base: nn.Module, block_size: int, limit: int, compiled: bool) -> Runner:
+    """Blockwise decoding that drafts greedy's own output of the same batch (the `greedy` mode's, or with the
+    engine `greedy_compiled`'s, so that every draft is accepted)."""
+    reference = "greedy_compiled" if compiled else "greedy"
 
     def run(batch: Batch, earlier: dict[str, Any]) -> Any:
-        drafter = ReferenceDrafter(sequences_of(earlier["greedy"]), block_size=block_size)
+        drafter = ReferenceDrafter(sequences_of(earlier[reference]), block_size=block_size)
         return base.generate(
             **batch, custom_generate=blockwise_generate, assistant=drafter, max_new_tokens=limit,
-            return_dict_in_generate=True,
+            return_dict_in_generate=True, blockwise_compile=compiled,
         )  # fmt: skip
 
     return run
+
+
+def _hf_compiled_greedy_runner(base: nn.Module, limit: int) -> Runner:
+    """transformers' greedy `generate` as a user compiles it: a static cache and a compiled forward."""
+    config = CompileConfig(fullgraph=False, dynamic=True)
+    return lambda batch, _: base.generate(
+        **batch, do_sample=False, num_beams=1, max_new_tokens=limit, cache_implementation="static",
+        compile_config=config,
+    )  # fmt: skip
 
 
 def mode_runner(mode: str, setup: BenchSetup) -> Runner:
@@ -265,11 +302,18 @@ def mode_runner(mode: str, setup: BenchSetup) -> Runner:
     For the int8 modes, `setup` is the quantized one ([`BenchSetup.int8_copy`]). `oracle_k{k}` modes read the
     `greedy` mode's output of the same batch from `earlier`.
     """
-    oracle = ORACLE_MODE.fullmatch(mode)
     base, limit = setup.base, setup.max_new_tokens
-    mode = mode.removesuffix("_int8")
+    if mode == "hf_greedy_compiled":
+        return _hf_compiled_greedy_runner(base, limit)
+    compiled = is_compiled_mode(mode)
+    mode = mode.removesuffix("_int8").removesuffix(COMPILED_SUFFIX)
+    oracle = ORACLE_MODE.fullmatch(mode)
     if oracle:
-        return _oracle_runner(base, int(oracle.group(1)), limit)
+        return _oracle_runner(base, int(oracle.group(1)), limit, compiled)
+    if compiled and mode in ("greedy", "loop"):  # the engine's greedy: the loop with no drafter, compiled
+        return _blockwise_runner(
+            base, limit, custom_generate=blockwise_generate, assistant=None, blockwise_compile=True
+        )
     if mode == "greedy":
         return lambda batch, _: base.generate(**batch, do_sample=False, num_beams=1, max_new_tokens=limit)
     if mode == "beam4":
@@ -283,26 +327,39 @@ def mode_runner(mode: str, setup: BenchSetup) -> Runner:
             **batch, do_sample=False, assistant_model=setup.assistant_model, max_new_tokens=limit
         )
     if mode == "loop":
-        return _blockwise_runner(base, limit, custom_generate=blockwise_generate, assistant=None)
+        return _blockwise_runner(
+            base, limit, custom_generate=blockwise_generate, assistant=None, blockwise_compile=compiled
+        )
     sized = SIZED_MODE.fullmatch(mode)
     if sized or mode in ("seq_heads", "feature", "composite"):
-        return _model_drafter_runner(mode, sized, setup)
+        return _model_drafter_runner(mode, sized, setup, compiled)
     if mode in ("heads", "heads_full_vocab", "heads_top2"):
         rule = TopKAcceptance(2) if mode == "heads_top2" else None
         drafter = setup.heads_model.drafter(use_shortlist=mode != "heads_full_vocab")
-        return _blockwise_runner(setup.heads_model, limit, assistant=drafter, acceptance=rule)
+        return _blockwise_runner(
+            setup.heads_model, limit, assistant=drafter, acceptance=rule, blockwise_compile=compiled
+        )
     if mode in ("iad", "iad_realign"):  # iad_realign: drafts right after an edit too
         drafter = InputCopyDrafter(base, max_draft_length=setup.iad_max_draft_length, realign=mode == "iad_realign")
-        return _blockwise_runner(base, limit, custom_generate=blockwise_generate, assistant=drafter)
+        return _blockwise_runner(
+            base, limit, custom_generate=blockwise_generate, assistant=drafter, blockwise_compile=compiled
+        )
     if mode in ("gad", "gad_pp"):
         nar = setup.nar_drafter
         drafter = NonAutoregressiveDrafter(nar.model, nar.config, block_size=setup.gad_block_size, verifier=base)
         rule = GADPlusPlusAcceptance(setup.gad_top_beta, setup.gad_tolerance) if mode == "gad_pp" else None
-        return _blockwise_runner(base, limit, custom_generate=blockwise_generate, assistant=drafter, acceptance=rule)
+        return _blockwise_runner(
+            base,
+            limit,
+            custom_generate=blockwise_generate,
+            assistant=drafter,
+            acceptance=rule,
+            blockwise_compile=compiled,
+        )
     raise ValueError(f"Unknown mode {mode!r}")
 
 
-def _model_drafter_runner(mode: str, sized: re.Match | None, setup: BenchSetup) -> Runner:
+def _model_drafter_runner(mode: str, sized: re.Match | None, setup: BenchSetup, compiled: bool) -> Runner:
     """Runners of the trained model drafters: heads, sequential heads, feature drafter (at a block size k and
     draft threshold when the mode names them), and the composite of source copy and feature drafter."""
     name, block_size, threshold = mode, None, "config"
@@ -313,15 +370,19 @@ def _model_drafter_runner(mode: str, sized: re.Match | None, setup: BenchSetup) 
         threshold = float(raw) if raw else None
     limit = setup.max_new_tokens
     if name == "heads":
-        return _blockwise_runner(setup.heads_model, limit, assistant=setup.heads_model.drafter(block_size))
+        return _blockwise_runner(
+            setup.heads_model, limit, assistant=setup.heads_model.drafter(block_size), blockwise_compile=compiled
+        )
     if name == "seq_heads":
         model = setup.sequential_heads_model
-        return _blockwise_runner(model, limit, assistant=model.drafter(block_size))
+        return _blockwise_runner(model, limit, assistant=model.drafter(block_size), blockwise_compile=compiled)
     feature = setup.feature_model.drafter(block_size=block_size, threshold=threshold)
     if name == "composite":
         copy = InputCopyDrafter(setup.base, max_draft_length=setup.iad_max_draft_length)
         feature = CompositeDrafter(copy, feature)
-    return _blockwise_runner(setup.base, limit, custom_generate=blockwise_generate, assistant=feature)
+    return _blockwise_runner(
+        setup.base, limit, custom_generate=blockwise_generate, assistant=feature, blockwise_compile=compiled
+    )
 
 
 def run_bench(
@@ -366,15 +427,34 @@ def run_bench(
             if name in runners:
                 raise ValueError(f"variant name {name!r} is also a mode")
             runners[name] = mode_runner(mode, variant_setup)
+        warm_up = compile_modes(runners, batches[0])
         by_mode = measure(
             runners, batches, pad_token_id=pad_token_id, reference={name: reference_mode(name) for name in runners},
             baseline="greedy", tokenizer=setup.tokenizer, references=references, count_forwards_of=counted,
             progress=progress, description=f"bench batch {batch_size}",
         )  # fmt: skip
+        for mode, seconds in warm_up.items():
+            by_mode[mode].compile_seconds = seconds
         results += by_mode.values()
         if ct2_modes:
             results += measure_ct2(setup, ct2_modes, batches, greedy_outputs, by_mode["greedy"], references, progress)
     return results
+
+
+def compile_modes(runners: dict[str, Runner], batch: Batch) -> dict[str, float]:
+    """Runs every compiled mode once on `batch`, untimed, so that compilation is not timed as decoding; returns
+    each one's wall time for that run (its compilation, when it was the first to need a graph). Modes run in
+    order, so that an oracle finds the greedy output it drafts from."""
+    earlier: dict[str, Any] = {}
+    seconds = {}
+    with torch.no_grad():
+        for mode, runner in runners.items():
+            if is_compiled_mode(mode) or mode == "greedy":
+                start = time.perf_counter()
+                earlier[mode] = runner(batch, earlier)
+                if is_compiled_mode(mode):
+                    seconds[mode] = time.perf_counter() - start
+    return seconds
 
 
 def measure_ct2(
@@ -578,6 +658,7 @@ def decoder_cost_curve(
     max_tokens: int = 32,
     prefix_length: int = 10,
     repeats: int = 20,
+    compiled: bool = False,
 ) -> list[tuple[int, float]]:
     """Median time of one cached decoder forward that feeds n = 1..`max_tokens` new tokens.
 
@@ -588,6 +669,7 @@ def decoder_cost_curve(
 
     Args:
         sentence: the source, as text (tokenized with `tokenizer`) or as a list of token ids (`tokenizer` unused).
+        compiled (`bool`): time the compiled engine's forward (`blockwise_compile=True`) instead of the eager one.
 
     Returns:
         `list[tuple[int, float]]`: (tokens fed, seconds per call), for 1..`max_tokens`.
@@ -601,25 +683,40 @@ def decoder_cost_curve(
     encoder_outputs = base.get_encoder()(**inputs)
     start = torch.full((1, 1), base.config.decoder_start_token_id, device=device)
     prefix = torch.cat([start, torch.full((1, prefix_length - 1), base.config.eos_token_id, device=device)], dim=1)
+    engine = compiled_decoder(base, CompileOptions()) if compiled else None
+    if compiled and engine is None:
+        raise RuntimeError("the compiled cost curve needs torch.compile, which is unavailable here (see the warning)")
     times: dict[int, list[float]] = {num_tokens: [] for num_tokens in range(1, max_tokens + 1)}
     for repeat in range(repeats + 1):  # widths interleaved, so that a slow spell of the machine hits them all
         for num_tokens, timings in times.items():
-            seconds = _time_cached_forward(base, encoder_outputs, inputs["attention_mask"], prefix, num_tokens)
+            seconds = _time_cached_forward(base, encoder_outputs, inputs["attention_mask"], prefix, num_tokens, engine)
             if repeat > 0:  # the first round warms up
                 timings.append(seconds)
     return [(num_tokens, statistics.median(timings)) for num_tokens, timings in times.items()]
 
 
 def _time_cached_forward(
-    base: nn.Module, encoder_outputs: Any, attention_mask: torch.Tensor, prefix: torch.Tensor, num_tokens: int
+    base: nn.Module,
+    encoder_outputs: Any,
+    attention_mask: torch.Tensor,
+    prefix: torch.Tensor,
+    num_tokens: int,
+    engine: CompiledDecoder | None = None,
 ) -> float:
-    """Seconds of one decoder forward feeding `num_tokens` tokens (EOS ids) after `prefix` (already cached)."""
-    cache = hf.new_decoder_cache()
+    """Seconds of one decoder forward feeding `num_tokens` tokens (EOS ids) after `prefix` (already cached),
+    eager or through `engine`."""
     forward_kwargs = {"encoder_outputs": encoder_outputs, "attention_mask": attention_mask}
-    hf.decoder_forward(base, prefix, cache, forward_kwargs)
     fed = torch.full((1, num_tokens), base.config.eos_token_id, device=prefix.device)
+    if engine is None:
+        cache = hf.new_decoder_cache()
+        hf.decoder_forward(base, prefix, cache, forward_kwargs)
+        begin = time.perf_counter()
+        hf.decoder_forward(base, fed, cache, forward_kwargs)
+        return time.perf_counter() - begin
+    cache = engine.new_cache(prefix.shape[1] + num_tokens + 1)
+    engine.forward(prefix, cache, forward_kwargs, cache_length=0)
     begin = time.perf_counter()
-    hf.decoder_forward(base, fed, cache, forward_kwargs)
+    engine.forward(fed, cache, forward_kwargs, cache_length=prefix.shape[1])
     return time.perf_counter() - begin
 
 
@@ -630,8 +727,10 @@ def speedup_ceiling(curve: Sequence[tuple[int, float]], mean_accepted: float, to
     return mean_accepted * times[1] / times[tokens_fed]
 
 
-def plot_cost_curve(curve: Sequence[tuple[int, float]], path: str) -> None:
-    """The decoder cost curve and the speedup ceilings it implies, one PNG."""
+def plot_cost_curve(
+    curve: Sequence[tuple[int, float]], path: str, compiled: Sequence[tuple[int, float]] | None = None
+) -> None:
+    """The decoder cost curve (eager, and compiled when given) and the speedup ceilings the eager one implies."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -639,7 +738,10 @@ def plot_cost_curve(curve: Sequence[tuple[int, float]], path: str) -> None:
 
     figure, (time_axis, ceiling_axis) = plt.subplots(1, 2, figsize=(10, 4))
     tokens = [n for n, _ in curve]
-    time_axis.plot(tokens, [1000 * t for _, t in curve], marker="o")
+    time_axis.plot(tokens, [1000 * t for _, t in curve], marker="o", label="eager")
+    if compiled is not None:
+        time_axis.plot([n for n, _ in compiled], [1000 * t for _, t in compiled], marker="s", label="compiled")
+        time_axis.legend(fontsize=7)
     time_axis.set(xlabel="tokens fed in one decoder call", ylabel="ms per call", title="decoder cost curve")
     accepted_levels = (1.5, 2.0, 3.0, 4.0)
     colours = mode_colours([str(accepted) for accepted in accepted_levels])

@@ -30,6 +30,7 @@ from hf_blockwise.tools.bench import (
     ORACLE_MODE,
     SIZED_MODE,
     BenchSetup,
+    compile_modes,
     decoder_cost_curve,
     plot_cost_curve,
     read_lines,
@@ -62,6 +63,7 @@ def run_demo(
     max_new_tokens: int = 128,
     int8: bool = False,
     drafter: str = "best",
+    compile: bool = True,
 ) -> int:
     """Greedy and blockwise side by side, one sentence at a time, through the measurement harness; prints each
     pair of outputs, whether they are identical, the mean accepted block and the speedup.
@@ -69,6 +71,8 @@ def run_demo(
     Args:
         drafter (`str`): `"heads"` (the model's proposal heads), `"feature"` (its `feature-drafter/`), or `"best"`:
             the feature drafter when the model ships one, else the heads.
+        compile (`bool`): decode blockwise through the compiled engine (`blockwise_compile=True`), compiled once
+            before timing; not with `int8` (the engine compiles float weights).
 
     Returns:
         `int`: 0 when every output is identical to greedy's, else 1 (the exit status).
@@ -93,15 +97,26 @@ def run_demo(
     else:
         assistant, block_size, name = model.drafter(), model.blockwise_config.block_size, "proposal heads"
     precision = "int8" if int8 else "fp32"
-    print(f"model: {model_path} ({name}, k={block_size}, {precision}), {torch.get_num_threads()} threads, batch 1")
+    compile = compile and not int8
+    engine = "compiled engine" if compile else "eager"
+    print(
+        f"model: {model_path} ({name}, k={block_size}, {precision}, {engine}), {torch.get_num_threads()} threads, "
+        "batch 1"
+    )
     runners = {
         "greedy": lambda batch, _: base.generate(**batch, do_sample=False, num_beams=1, max_new_tokens=max_new_tokens),
         "blockwise": lambda batch, _: base.generate(
             **batch, custom_generate=blockwise_generate, assistant=assistant, max_new_tokens=max_new_tokens,
-            return_dict_in_generate=True,
+            return_dict_in_generate=True, blockwise_compile=compile,
         ),
     }  # fmt: skip
     batches = [dict(tokenizer([sentence], return_tensors="pt")) for sentence in sentences]
+    if compile:
+        seconds = compile_modes({"blockwise_compiled": runners["blockwise"]}, batches[0])["blockwise_compiled"]
+        print(
+            f"compiled the decoder's verification forward with torch.compile (inductor, weights frozen and "
+            f"prepacked) in {seconds:.1f}s, before timing"
+        )
     results = measure(
         runners, batches, pad_token_id=base.config.pad_token_id, reference="greedy", tokenizer=tokenizer,
         repeats=repeats, progress=False,
@@ -309,11 +324,17 @@ def write_cost_curve(
     """Times the decoder cost curve on `sentence` (text, or token ids without a tokenizer) for 1..`max_tokens`
     tokens; writes `cost_curve.json` and `cost_curve.png` into `out_dir`."""
     curve = decoder_cost_curve(setup.base, setup.tokenizer, sentence, max_tokens=max_tokens)
+    compiled = decoder_cost_curve(setup.base, setup.tokenizer, sentence, max_tokens=max_tokens, compiled=True)
     os.makedirs(out_dir, exist_ok=True)
-    report = {"sentence": sentence, "threads": torch.get_num_threads(), "ms_per_call": {n: 1000 * t for n, t in curve}}
+    report = {
+        "sentence": sentence, "threads": torch.get_num_threads(), "ms_per_call": {n: 1000 * t for n, t in curve},
+        "ms_per_call_compiled": {n: 1000 * t for n, t in compiled},
+    }  # fmt: skip
     atomic_write_text(os.path.join(out_dir, "cost_curve.json"), json.dumps(report, indent=2) + "\n")
-    plot_cost_curve(curve, os.path.join(out_dir, "cost_curve.png"))
-    print("decoder cost curve (ms per call by tokens fed): " + ", ".join(f"{n}: {1000 * t:.2f}" for n, t in curve[:8]))
+    plot_cost_curve(curve, os.path.join(out_dir, "cost_curve.png"), compiled)
+    for name, times in (("eager", curve), ("compiled", compiled)):
+        shown = ", ".join(f"{n}: {1000 * t:.2f}" for n, t in times[:8])
+        print(f"decoder cost curve, {name} (ms per call by tokens fed): {shown}")
     return curve
 
 
@@ -430,6 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--drafter", choices=("best", "feature", "heads"), default="best",
         help="best: the shipped feature drafter if the model has one, else its proposal heads",
     )  # fmt: skip
+    demo.add_argument("--no-compile", action="store_true", help="decode blockwise eagerly, without the compiled engine")
     demo.add_argument("sentences", nargs="*", help="English sentences to translate (default: built-in examples)")
     bench = commands.add_parser("bench", help="every decoding mode side by side, measured against greedy")
     _add_bench_arguments(bench)
@@ -439,7 +461,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_bench_command(args)
     if args.command == "demo":
         sentences = args.sentences or DEMO_SENTENCES
-        return run_demo(args.model, sentences, args.repeats, args.threads, args.max_new_tokens, args.int8, args.drafter)
+        return run_demo(
+            args.model,
+            sentences,
+            args.repeats,
+            args.threads,
+            args.max_new_tokens,
+            args.int8,
+            args.drafter,
+            compile=not args.no_compile,
+        )
     return 2
 
 

@@ -99,6 +99,7 @@ class ModeResult:
     bleu: float | None = None
     speedup: float | None = None
     speedup_ceiling: float | None = None
+    compile_seconds: float | None = None
     compared: int = 0
     texts: list[str] = field(default_factory=list)
     identical_rows: list[bool] = field(default_factory=list)
