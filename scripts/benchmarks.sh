@@ -9,6 +9,12 @@ data=../shared/data
 mt=hf_blockwise/pretrained/multi30k-en-de
 gec=hf_blockwise/pretrained/gec-en
 
+# the compiled engine (issue 18): every compiled mode beside eager greedy, the eager loop and drafter, transformers'
+# own compiled greedy and CTranslate2, batch 1
+hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz \
+    --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 300 --batch-sizes 1 --threads 2 \
+    --modes greedy loop greedy_compiled oracle_compiled feature feature_compiled heads_compiled seq_heads_compiled \
+    hf_greedy_compiled ct2 ct2_int8 --oracle-block-sizes 4 8 --out docs/bench/multi30k-compiled
 # Multi30k en→de, shipped model: our modes at batch 1 and 16 (2 threads), with the loop alone (`loop`), the loop's
 # ceiling with perfect drafts (`oracle`, k = 4 and 8) and the decoder cost curve
 hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz \
