@@ -15,6 +15,9 @@ hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.
     --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 300 --batch-sizes 1 --threads 2 \
     --modes greedy loop greedy_compiled oracle_compiled feature feature_compiled heads_compiled seq_heads_compiled \
     hf_greedy_compiled ct2 ct2_int8 --oracle-block-sizes 4 8 --out docs/bench/multi30k-compiled
+# the decoder cost curve, eager and compiled, 1..8 tokens
+hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz --sentences 3 --batch-sizes 1 \
+    --threads 2 --modes greedy --cost-curve --cost-curve-max-tokens 8 --out docs/bench/multi30k-cost-curve-compiled
 # Multi30k en→de, shipped model: our modes at batch 1 and 16 (2 threads), with the loop alone (`loop`), the loop's
 # ceiling with perfect drafts (`oracle`, k = 4 and 8) and the decoder cost curve
 hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz \
