@@ -116,6 +116,10 @@ def test_bench_compares_every_mode_and_writes_reports(tmp_path, capsys) -> None:
     expected_at_one = {"greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_top2", "iad", "gad", "gad_pp"}
     expected_at_one |= {"loop", "oracle_k4"}  # the loop alone, and drafting greedy's own output
     expected_at_one |= {"seq_heads", "feature", "composite"}
+    expected_at_one |= {  # the compiled engine's modes, and transformers' own compiled greedy beside them
+        "greedy_compiled", "oracle_k4_compiled", "heads_compiled", "seq_heads_compiled", "feature_compiled",
+        "iad_compiled", "composite_compiled", "hf_greedy_compiled",
+    }  # fmt: skip
     assert {mode for mode, batch in rows if batch == 1} == expected_at_one
     assert {mode for mode, batch in rows if batch == 3} == expected_at_one - {"prompt_lookup", "assisted"}
     for (mode, _), row in rows.items():

@@ -446,7 +446,9 @@ def compile_modes(runners: dict[str, Runner], batch: Batch) -> dict[str, float]:
     each one's wall time for that run (its compilation, when it was the first to need a graph). Modes run in
     order, so that an oracle finds the greedy output it drafts from."""
     earlier: dict[str, Any] = {}
-    seconds = {}
+    seconds: dict[str, float] = {}
+    if not any(is_compiled_mode(mode) for mode in runners):
+        return seconds
     with torch.no_grad():
         for mode, runner in runners.items():
             if is_compiled_mode(mode) or mode == "greedy":
