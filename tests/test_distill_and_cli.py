@@ -129,7 +129,8 @@ def test_bench_compares_every_mode_and_writes_reports(tmp_path, capsys) -> None:
             assert row["identical_rate"] == 1.0, mode
     assert rows[("greedy", 1)]["forwards_per_token"] >= rows[("heads", 1)]["forwards_per_token"] > 0
     assert rows[("loop", 3)]["mean_accepted"] == 1.0 and rows[("oracle_k4", 3)]["mean_accepted"] > 2
-    assert (out / "bench.md").read_text().count("| 1 |") == 14 and (out / "bench.png").stat().st_size > 0
+    assert (out / "bench.md").read_text().count("\n| 1 |") == len(expected_at_one)
+    assert (out / "bench.png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "speedup vs greedy" in printed and f"report written to {out}" in printed
     curve = json.loads((out / "cost_curve.json").read_text())["ms_per_call"]
