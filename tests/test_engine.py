@@ -93,7 +93,7 @@ def test_unavailable_compiler_warns_and_decodes_eagerly(monkeypatch) -> None:
     with pytest.warns(UserWarning, match="C\\+\\+ compiler.*decoding eagerly instead"):
         output = _generate(model, batch, blockwise_compile=True)
     assert torch.equal(output, model.generate(**batch, max_new_tokens=20))
-    assert engine_module.engine_summary(model) is None
+    assert engine_module.engine_of(model) is None
 
 
 def test_compile_option_is_validated() -> None:

@@ -27,9 +27,7 @@ only at a near-tie, which [`first_divergence`] shows. Weights changed after comp
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -114,7 +112,6 @@ class CompiledDecoder:
         self.fingerprint = weights_fingerprint(model)
         self.position_limit = hf.decoder_position_limit(model)
         self.num_layers = hf.decoder_layer_count(model)
-        self.compile_seconds = 0.0
         self._step = _DecoderStep(model)
         mode = options.mode
         if mode is None and model.device.type == "cuda":
@@ -155,14 +152,10 @@ class CompiledDecoder:
         width = tokens.shape[1]
         if width == 1 and (self.position_limit is None or cache_length + 2 <= self.position_limit):
             tokens = torch.cat([tokens, tokens], dim=1)  # the second column is hidden by causal attention
-        start = time.perf_counter()
-        compiles_before = _compile_count()
         # inductor reads `freezing` from its global config when it compiles (torch.compile's options= do not reach
         # that decision), so it is set for the call only
         with torch._inductor.config.patch(freezing=self.freezing):
             logits, states = self._compiled(tokens, cache, forward_kwargs)
-        if _compile_count() != compiles_before:
-            self.compile_seconds += time.perf_counter() - start
         return logits[:, :width], states[:, :width]
 
 
@@ -200,10 +193,6 @@ class _DecoderStep(nn.Module):
         return outputs.logits, states
 
 
-def _compile_count() -> int:
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-
-
 # where a model keeps its engine, as transformers keeps its own compiled forward on the model (`_compiled_call`)
 _ENGINE_ATTRIBUTE = "_hf_blockwise_engine"
 
@@ -215,7 +204,7 @@ def compiled_decoder(model: nn.Module, options: CompileOptions) -> CompiledDecod
     Weights changed since the engine was built make a new one (a recompilation, with a warning): a frozen graph
     holds the weights it was compiled with.
     """
-    engine = model.__dict__.get(_ENGINE_ATTRIBUTE)
+    engine = engine_of(model)
     if engine is not None and engine.options == options:
         if engine.fingerprint == weights_fingerprint(model):
             return engine
@@ -238,9 +227,6 @@ def compiled_decoder(model: nn.Module, options: CompileOptions) -> CompiledDecod
     return replacement
 
 
-def engine_summary(model: nn.Module) -> dict[str, Any] | None:
-    """What the model's engine compiled so far: options and seconds spent compiling, or `None` without one."""
-    engine = model.__dict__.get(_ENGINE_ATTRIBUTE)
-    if engine is None:
-        return None
-    return {**dataclasses.asdict(engine.options), "compile_seconds": engine.compile_seconds}
+def engine_of(model: nn.Module) -> CompiledDecoder | None:
+    """The engine `blockwise_compile=` built for `model`, or `None` where it has none."""
+    return model.__dict__.get(_ENGINE_ATTRIBUTE)
