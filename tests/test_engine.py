@@ -7,6 +7,7 @@ Each model compiles its graphs once per process (batch 1 and batch > 1), so the 
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -14,7 +15,8 @@ import torch
 from conftest import ARCHITECTURES, OracleDrafter, build_model, random_batch
 
 from hf_blockwise import blockwise_generate, first_divergence
-from hf_blockwise.drafters.base import NoDrafter
+from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts, NoDrafter
+from hf_blockwise.drafters.feature import FeatureDrafter
 from hf_blockwise.generation import engine as engine_module
 from hf_blockwise.generation.engine import CompileOptions, compiled_decoder
 from hf_blockwise.modeling.config import FeatureDrafterConfig
@@ -115,3 +117,68 @@ def test_state_reading_drafter_gets_states_from_the_compiled_graph(compiled_mode
     assert torch.equal(drafted, greedy)
     eager_drafted = _generate(base, batch, assistant=drafter_model.drafter())
     _assert_equal_or_near_tie(base, batch, eager_drafted, drafted)
+
+
+class _TwinFeatureDrafter(Drafter):
+    """Runs the eager and the compiled feature drafting side by side on the same requests (each with its own
+    per-call state), records both, and drafts with the compiled one."""
+
+    reads_decoder_states = True
+
+    def __init__(self, drafter: FeatureDrafter) -> None:
+        self.drafter, self.block_size, self.pairs = drafter, drafter.block_size, []
+
+    def prepare(self, encoder_input_ids, encoder_attention_mask):
+        return tuple(self.drafter.prepare(encoder_input_ids, encoder_attention_mask) for _ in range(2))
+
+    def select_rows(self, drafter_state, rows):
+        return tuple(self.drafter.select_rows(state, rows) for state in drafter_state)
+
+    def get_candidates(self, request: DraftRequest) -> Drafts:
+        assert request.compile is not None
+        eager_state, compiled_state = request.drafter_state
+        eager = self.drafter.get_candidates(dataclasses.replace(request, drafter_state=eager_state, compile=None))
+        compiled = self.drafter.get_candidates(dataclasses.replace(request, drafter_state=compiled_state))
+        self.pairs.append((eager, compiled, request.max_drafts))
+        return compiled
+
+
+@pytest.mark.parametrize("threshold", [None, 0.05])
+def test_compiled_feature_drafting_drafts_what_the_eager_drafter_drafts(compiled_models, threshold) -> None:
+    """The feature drafter's compiled block (take-in and unrolled drafts in one call) proposes, row by row, the
+    drafts of its eager op-by-op path, over steps with rows finishing and narrower verified chunks."""
+    base = compiled_models["bart"]
+    drafter_model = FeatureDrafterModel(base, FeatureDrafterConfig(block_size=4, training_depth=2)).eval()
+    batch = random_batch(base, 4, seed=12)
+    greedy = _generate(base, batch, blockwise_compile=True)
+    twin = _TwinFeatureDrafter(drafter_model.drafter(threshold=threshold))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning: it really ran compiled
+        assert torch.equal(_generate(base, batch, assistant=twin, blockwise_compile=True), greedy)
+    compared = 0
+    for step, (eager, compiled, max_drafts) in enumerate(twin.pairs):
+        if step == 0:  # before the first verification there are no states to draft from
+            assert eager.tokens.shape[1] == compiled.tokens.shape[1] == 0
+            continue
+        assert compiled.tokens.shape[1] == twin.block_size - 1
+        usable = torch.minimum(eager.lengths, max_drafts)  # drafts past a row's room are never fed
+        assert torch.equal(torch.minimum(compiled.lengths, max_drafts), usable)
+        for row, count in enumerate(usable.tolist()):
+            assert torch.equal(compiled.tokens[row, :count], eager.tokens[row, :count]), (row, eager, compiled)
+            compared += count
+    assert compared > 10, compared
+    if threshold is not None:  # the threshold cut some rows' drafts short, and not all of them
+        cut = torch.cat([eager.lengths for eager, _, _ in twin.pairs[1:]])
+        assert bool((cut < twin.block_size - 1).any()) and bool((cut > 0).any()), cut
+
+
+def test_compiled_feature_drafting_does_not_recompile_once_warm(compiled_models) -> None:
+    base = compiled_models["marian"]
+    drafter = FeatureDrafterModel(base, FeatureDrafterConfig(block_size=3, training_depth=2)).eval().drafter()
+    for batch_size, seed in ((1, 20), (3, 21)):  # warm-up: batch 1 and batch > 1 have a graph each
+        _generate(base, random_batch(base, batch_size, seed=seed), assistant=drafter, blockwise_compile=True)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for batch_size, seed in ((1, 22), (2, 23), (5, 24)):
+            batch = random_batch(base, batch_size, seed=seed, max_source_length=7 + seed % 5)
+            greedy = _generate(base, batch, blockwise_compile=True)
+            assert torch.equal(_generate(base, batch, assistant=drafter, blockwise_compile=True), greedy)

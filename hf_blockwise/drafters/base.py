@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from hf_blockwise.generation.engine import CompileOptions
+
 
 @dataclass(frozen=True)
 class VerifiedStates:
@@ -53,6 +55,8 @@ class DraftRequest:
             with `reads_decoder_states`; `None` before the first forward pass.
         encoder_hidden_states (`torch.Tensor` of shape `(batch_size, source_length, hidden_size)`, *optional*):
             the base's encoder output, computed once per call.
+        compile ([`CompileOptions`], *optional*): set when the loop verifies through the compiled engine
+            (`blockwise_compile=`); a drafter that has a compiled drafting block uses it with these options.
     """
 
     sequences: torch.Tensor
@@ -64,6 +68,7 @@ class DraftRequest:
     drafter_state: Any = None
     verified_states: VerifiedStates | None = None
     encoder_hidden_states: torch.Tensor | None = None
+    compile: CompileOptions | None = None
 
 
 @dataclass

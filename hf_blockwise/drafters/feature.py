@@ -7,6 +7,11 @@ row's last verified position predicts the state that follows, hence the first dr
 back with the predicted state to draft the next, up to `block_size - 1`, and a row stops early when the
 drafter's probability of its next token falls below `threshold`. Drafted positions never enter the cache:
 the next verification pass supplies the true states.
+
+Under the compiled engine (`blockwise_compile=`), the take-in and every draft of a step are one compiled call
+([`FeatureDraftBlock`]): the drafts are unrolled, the cache is a fixed-capacity buffer read through masks, and the
+threshold cuts each row's drafts with a cumulative product instead of stopping early, so drafting reads nothing
+back to the host.
 """
 
 from __future__ import annotations
@@ -15,10 +20,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
+from torch.nn import functional as F
 
-from hf_blockwise.boundary import output_projection_logits, shortlist_projection
+from hf_blockwise.boundary import decoder_input_embeddings, output_projection_logits, shortlist_projection
 from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts, VerifiedStates
 from hf_blockwise.drafters.heads import ShortlistProjection
+from hf_blockwise.generation.engine import CompiledModule, compiled_block
 from hf_blockwise.modeling.feature_layer import AttentionMemory
 
 if TYPE_CHECKING:
@@ -129,6 +137,9 @@ class FeatureDrafter(Drafter):
             if request.encoder_hidden_states is not None:
                 cache.encoder = layer.encoder_memory(request.encoder_hidden_states, request.encoder_attention_mask)
             cache.encoder_ready = True
+        block = None if request.compile is None else self._compiled_block(request, cache)
+        if block is not None:
+            return self._draft_compiled(block, request.sequences, verified, cache)
         # the step's one host read: how many verified columns to take in, and how many drafts any row can use
         width, most_drafts = torch.stack([verified.num_valid.max(), request.max_drafts.max()]).tolist()
         # (b, d): the predicted state after each row's last verified token
@@ -155,6 +166,50 @@ class FeatureDrafter(Drafter):
         if lengths is None:
             lengths = torch.full((batch_size,), drafted.shape[1], dtype=torch.long, device=device)
         return Drafts(tokens=drafted, lengths=lengths)
+
+    def _compiled_block(self, request: DraftRequest, cache: FeatureDraftCache) -> CompiledModule | None:
+        """The model's compiled [`FeatureDraftBlock`] for this drafter's block size and projection."""
+        projection, num_drafts = cache.projection, self.block_size - 1
+        key = f"feature_k{self.block_size}_{'full' if projection is None else projection.token_ids.shape[0]}"
+        build = lambda: FeatureDraftBlock(self.model, projection, num_drafts)  # noqa: E731
+        return compiled_block(self.model, key, build, request.compile)
+
+    def _draft_compiled(
+        self, block: CompiledModule, sequences: torch.Tensor, verified: VerifiedStates, cache: FeatureDraftCache
+    ) -> Drafts:
+        """The step's take-in and drafts in one compiled call; every row gets `block_size - 1` drafts (the feed cuts
+        them to what each row may use), so nothing is read back to the host."""
+        states = verified.states.to(self.model.layer.out.weight.dtype)  # (b, W, d)
+        # narrower chunks are zero-padded to the block size: one graph serves every step (padded columns are masked)
+        width = max(states.shape[1], self.block_size)
+        states = F.pad(states, (0, 0, 0, width - states.shape[1]))
+        self._reserve(cache, states, needed=verified.start + width + self.block_size, rounding=sequences.shape[1])
+        encoder = cache.encoder
+        start = torch.tensor(verified.start, device=states.device)
+        tokens, probabilities = block(
+            states, sequences, verified.num_valid, start, cache.keys, cache.values,
+            *((None, None, None) if encoder is None else (encoder.keys, encoder.values, encoder.mask)),
+        )  # fmt: skip
+        if self.threshold is None:
+            lengths = torch.full_like(verified.num_valid, tokens.shape[1])
+        else:
+            lengths = (probabilities >= self.threshold).long().cumprod(dim=1).sum(dim=1)
+        return Drafts(tokens=tokens, lengths=lengths)
+
+    def _reserve(self, cache: FeatureDraftCache, states: torch.Tensor, needed: int, rounding: int) -> None:
+        """Fixed-capacity key/value buffers for the compiled block (capacity a multiple of `rounding`, the
+        sequence buffer's length, so a call normally allocates once)."""
+        if cache.keys is not None and cache.keys.shape[2] >= needed:
+            return
+        layer = self.model.layer
+        heads = layer.self_attention.num_heads
+        capacity = -(-needed // rounding) * rounding
+        shape = (states.shape[0], heads, capacity, states.shape[2] // heads)
+        keys, values = states.new_zeros(shape), states.new_zeros(shape)
+        if cache.keys is not None:
+            keys[:, :, : cache.keys.shape[2]] = cache.keys
+            values[:, :, : cache.values.shape[2]] = cache.values
+        cache.keys, cache.values = keys, values
 
     def _take_in(
         self, sequences: torch.Tensor, verified: VerifiedStates, cache: FeatureDraftCache, width: int
@@ -239,6 +294,110 @@ class FeatureDrafter(Drafter):
             cache.keys[:, :, : slot + 1], cache.values[:, :, : slot + 1], visible[:, None, None, :]
         )
         return layer(inputs, normed, memory, cache.encoder)[:, 0]
+
+
+class FeatureDraftBlock(nn.Module):
+    """The feature drafter's take-in and `num_drafts` drafts as one module over fixed-capacity buffers, for
+    `torch.compile`: no host reads, no shapes that depend on values, the drafts unrolled and the shortlist
+    projection inside (the eager [`FeatureDrafter`] does the same work op by op).
+
+    Args:
+        model ([`FeatureDrafterModel`]): its layer, and the base's token embeddings and output projection.
+        projection ([`ShortlistProjection`], *optional*): the shortlist rows of the output projection (kept as
+            buffers, so that freezing prepacks them); `None` projects onto the whole vocabulary.
+        num_drafts (`int`): drafts per row and call, `block_size - 1`.
+    """
+
+    def __init__(self, model: FeatureDrafterModel, projection: ShortlistProjection | None, num_drafts: int) -> None:
+        super().__init__()
+        self.layer = model.layer
+        self.embeddings = decoder_input_embeddings(model.base_model)
+        self.base_model = model.base_model if projection is None else None
+        self.num_drafts = num_drafts
+        self.register_buffer("token_ids", None if projection is None else projection.token_ids)
+        self.register_buffer("weight", None if projection is None else projection.weight.detach().clone())
+        bias = None if projection is None or projection.bias is None else projection.bias.detach().clone()
+        self.register_buffer("bias", bias)
+
+    def forward(
+        self,
+        states: torch.Tensor,
+        sequences: torch.Tensor,
+        num_valid: torch.Tensor,
+        start: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        encoder_keys: torch.Tensor | None,
+        encoder_values: torch.Tensor | None,
+        encoder_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """
+        Args:
+            states (`torch.Tensor` of shape `(b, W, d)`): the verified chunk's states, positions `start..start+W-1`;
+                columns past a row's `num_valid` are ignored.
+            sequences (`torch.LongTensor` of shape `(b, L)`): the verified tokens (the token after each state).
+            num_valid (`torch.LongTensor` of shape `(b,)`), start (`torch.LongTensor` of shape `()`).
+            keys, values (`torch.Tensor` of shape `(b, H, C, d/H)`): the drafter's cache, written in place; slots
+                before `start` hold verified positions of every row, `C >= start + W + num_drafts`.
+            encoder_keys, encoder_values, encoder_mask: the cross-attention memory, or `None`s without one.
+
+        Returns:
+            tokens (`torch.LongTensor` of shape `(b, num_drafts)`) and each draft's probability under the drafter
+            (`torch.FloatTensor` of the same shape).
+        """
+        batch, width = states.shape[:2]
+        encoder = None if encoder_keys is None else AttentionMemory(encoder_keys, encoder_values, encoder_mask)
+        columns = torch.arange(width, device=states.device)  # (W,)
+        slots = torch.arange(keys.shape[2], device=states.device)  # (C,)
+        follow = sequences[:, (start + 1 + columns).clamp(max=sequences.shape[1] - 1)]  # (b, W)
+        # the chunk: column c sees every slot up to its own position (before `start`, every row's are verified)
+        chunk_visible = slots <= (start + columns)[:, None]  # (W, C)
+        predicted = self._attend(states, follow, keys, values, start + columns, chunk_visible, encoder)
+        lengths = start + num_valid  # (b,)
+        predicted = predicted[torch.arange(batch, device=states.device), (num_valid - 1).clamp(min=0)]  # (b, d)
+        # drafts go after the chunk; draft i sees its row's verified slots and drafts 0..i
+        filled = start + width
+        tokens, probabilities = [], []
+        for index in range(self.num_drafts):
+            token, probability = self._choose(predicted)  # (b,), (b,)
+            tokens.append(token)
+            probabilities.append(probability)
+            if index + 1 < self.num_drafts:
+                slot = (filled + index).reshape(1)
+                visible = (slots < lengths[:, None]) | ((slots >= filled) & (slots <= slot))  # (b, C)
+                predicted = self._attend(
+                    predicted[:, None], token[:, None], keys, values, slot, visible[:, None, None, :], encoder
+                )[:, 0]
+        return torch.stack(tokens, dim=1), torch.stack(probabilities, dim=1)
+
+    def _attend(
+        self,
+        states: torch.Tensor,
+        tokens: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        write: torch.Tensor,
+        visible: torch.Tensor,
+        encoder: AttentionMemory | None = None,
+    ) -> torch.Tensor:
+        """The layer over `(b, Q)` positions: their keys written at slots `write` (shape `(Q,)`), attention through
+        `visible` (broadcastable to `(b, 1, Q, C)`); returns predicted next states `(b, Q, d)`."""
+        layer = self.layer
+        inputs = layer.inputs(states, self.embeddings(tokens))  # (b, Q, d)
+        fresh, normed = layer.self_memory(inputs)  # (b, H, Q, d/H)
+        keys.index_copy_(2, write, fresh.keys)
+        values.index_copy_(2, write, fresh.values)
+        return layer(inputs, normed, AttentionMemory(keys, values, visible), encoder)
+
+    def _choose(self, predicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's draft from its predicted state `(b, d)`, with its probability."""
+        if self.weight is None:
+            logits = output_projection_logits(self.base_model, predicted)  # (b, V)
+            token = logits.argmax(dim=-1)
+        else:
+            logits = F.linear(predicted.to(self.weight.dtype), self.weight, self.bias)  # (b, S)
+            token = self.token_ids[logits.argmax(dim=-1)]
+        return token, logits.float().softmax(dim=-1).amax(dim=-1)
 
 
 def merge_verified(entries: list[VerifiedStates]) -> VerifiedStates:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +99,41 @@ def weights_fingerprint(model: nn.Module) -> tuple[tuple[int, int], ...]:
     )
 
 
+class CompiledModule:
+    """`module` through `torch.compile` with the engine's options: dynamic shapes, and on CPU frozen (prepacked)
+    weights. The verification forward and the drafters' drafting blocks are compiled with it.
+
+    Args:
+        module (`nn.Module`): what to compile; dynamo sees its weights as parameters.
+        options ([`CompileOptions`]).
+        owner (`nn.Module`): the model whose weights `module` uses (or derives buffers from): the fingerprint that
+            tells a stale graph ([`weights_fingerprint`]) is taken over it.
+    """
+
+    def __init__(self, module: nn.Module, options: CompileOptions, owner: nn.Module) -> None:
+        device = next(owner.parameters()).device
+        check_compile_available(device, options)
+        self.options = options
+        self.fingerprint = weights_fingerprint(owner)
+        mode = options.mode
+        if mode is None and device.type == "cuda":
+            mode = "reduce-overhead"
+        # freezing: weights become prepacked constants (CPU); not with CUDA graphs, which need the cache's static
+        # addresses that freezing would fold
+        self.freezing = options.freezing and options.backend == "inductor" and mode != "reduce-overhead"
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
+        self._compiled = torch.compile(module, backend=options.backend, mode=mode, dynamic=True)
+
+    def __call__(self, *args: Any) -> Any:
+        # inductor reads `freezing` from its global config when it compiles (torch.compile's options= do not reach
+        # that decision), so it is set for the call only
+        with torch._inductor.config.patch(freezing=self.freezing):
+            return self._compiled(*args)
+
+    def close(self) -> None:
+        """Nothing to release (the engine of a decoder removes its hook)."""
+
+
 class CompiledDecoder:
     """transformers' decoder forward of one model, compiled, with the decoder states as a second output.
 
@@ -107,21 +143,16 @@ class CompiledDecoder:
     """
 
     def __init__(self, model: nn.Module, options: CompileOptions) -> None:
-        check_compile_available(model.device, options)
         self.options = options
         self.fingerprint = weights_fingerprint(model)
         self.position_limit = hf.decoder_position_limit(model)
         self.num_layers = hf.decoder_layer_count(model)
         self._step = _DecoderStep(model)
-        mode = options.mode
-        if mode is None and model.device.type == "cuda":
-            mode = "reduce-overhead"
-        # freezing: weights become prepacked constants (CPU); not with CUDA graphs, which need the cache's static
-        # addresses that freezing would fold
-        self.freezing = options.freezing and options.backend == "inductor" and mode != "reduce-overhead"
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
         # a module, so that dynamo sees the weights as parameters
-        self._compiled = torch.compile(self._step, backend=options.backend, mode=mode, dynamic=True)
+        self._compiled = CompiledModule(self._step, options, model)
+        self.freezing = self._compiled.freezing
+        # compiled calls run no module hooks, so a caller counting decoder calls (the bench) reads this instead
+        self.compiled_calls = 0
 
     def close(self) -> None:
         """Removes the engine's hook from the model (done when an engine is replaced)."""
@@ -152,10 +183,8 @@ class CompiledDecoder:
         width = tokens.shape[1]
         if width == 1 and (self.position_limit is None or cache_length + 2 <= self.position_limit):
             tokens = torch.cat([tokens, tokens], dim=1)  # the second column is hidden by causal attention
-        # inductor reads `freezing` from its global config when it compiles (torch.compile's options= do not reach
-        # that decision), so it is set for the call only
-        with torch._inductor.config.patch(freezing=self.freezing):
-            logits, states = self._compiled(tokens, cache, forward_kwargs)
+        logits, states = self._compiled(tokens, cache, forward_kwargs)
+        self.compiled_calls += 1
         return logits[:, :width], states[:, :width]
 
 
@@ -195,6 +224,7 @@ class _DecoderStep(nn.Module):
 
 # where a model keeps its engine, as transformers keeps its own compiled forward on the model (`_compiled_call`)
 _ENGINE_ATTRIBUTE = "_hf_blockwise_engine"
+_BLOCK_ATTRIBUTE = "_hf_blockwise_drafting_block"
 
 
 def compiled_decoder(model: nn.Module, options: CompileOptions) -> CompiledDecoder | None:
@@ -204,26 +234,47 @@ def compiled_decoder(model: nn.Module, options: CompileOptions) -> CompiledDecod
     Weights changed since the engine was built make a new one (a recompilation, with a warning): a frozen graph
     holds the weights it was compiled with.
     """
-    engine = engine_of(model)
+    return _kept(model, _ENGINE_ATTRIBUTE, options, lambda: CompiledDecoder(model, options))
+
+
+def compiled_block(
+    owner: nn.Module, key: str, build: Callable[[], nn.Module], options: CompileOptions
+) -> CompiledModule | None:
+    """A drafter's compiled drafting block, kept on the drafter's model `owner` as the decoder's engine is kept on
+    its model, with the same rules: rebuilt when `owner`'s weights change, `None` with a warning where compilation
+    is unavailable.
+
+    Args:
+        owner (`nn.Module`): the drafter's model (its weights and the base's it reads).
+        key (`str`): which block of `owner` (a drafter model may have one per block size).
+        build (`Callable[[], nn.Module]`): makes the module to compile, on first use.
+    """
+    return _kept(owner, f"{_BLOCK_ATTRIBUTE}_{key}", options, lambda: CompiledModule(build(), options, owner))
+
+
+def _kept(owner: nn.Module, attribute: str, options: CompileOptions, build: Callable[[], Any]) -> Any:
+    """The compiled object kept on `owner` under `attribute`, (re)built by `build` when missing, compiled with other
+    options or holding stale weights."""
+    engine = owner.__dict__.get(attribute)
     if engine is not None and engine.options == options:
-        if engine.fingerprint == weights_fingerprint(model):
+        if engine.fingerprint == weights_fingerprint(owner):
             return engine
         warnings.warn(
-            f"The weights of this {type(model).__name__} changed since it was compiled; compiling it again "
+            f"The weights of this {type(owner).__name__} changed since it was compiled; compiling it again "
             "(torch.compiler.reset(): the graphs of other compiled models are compiled again too when next used)",
-            stacklevel=3,
+            stacklevel=4,
         )
         # dynamo keeps graphs by code and guards, which do not look at weight values: a frozen graph of this model
         # would be found again by a new engine, so every graph goes
         torch.compiler.reset()
     try:
-        replacement = CompiledDecoder(model, options)
+        replacement = build()
     except CompileUnavailableError as error:
-        warnings.warn(f"blockwise_compile: {error}; decoding eagerly instead", stacklevel=3)
+        warnings.warn(f"blockwise_compile: {error}; decoding eagerly instead", stacklevel=4)
         return None
     if engine is not None:
         engine.close()
-    model.__dict__[_ENGINE_ATTRIBUTE] = replacement  # a plain attribute: not a submodule, not in the state dict
+    owner.__dict__[attribute] = replacement  # a plain attribute: not a submodule, not in the state dict
     return replacement
 
 

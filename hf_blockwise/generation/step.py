@@ -49,6 +49,7 @@ def draft_request(state: DecodingState, setup: DecodingSetup) -> DraftRequest:
         drafter_state=state.drafter_state,
         verified_states=state.verified_states,
         encoder_hidden_states=hf.encoder_hidden_states(state.forward_kwargs),
+        compile=None if setup.engine is None else setup.engine.options,
     )
 
 

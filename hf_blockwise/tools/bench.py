@@ -163,13 +163,18 @@ class BenchSetup:
         )  # fmt: skip
 
 
+def is_known_mode(mode: str) -> bool:
+    """A mode name of the bench: one of `MODE_NAMES`, or an oracle or sized drafter mode, compiled or not."""
+    plain = mode.removesuffix(COMPILED_SUFFIX)
+    return mode in MODE_NAMES or bool(ORACLE_MODE.fullmatch(plain) or SIZED_MODE.fullmatch(plain))
+
+
 def available_modes(setup: BenchSetup, requested: Sequence[str]) -> list[str]:
     """The requested modes this setup can run, with a reason printed for each one left out; `oracle` becomes one
     `oracle_k{k}` mode per block size of `setup.oracle_block_sizes`."""
     modes = []
     for mode in requested:
-        plain = mode.removesuffix(COMPILED_SUFFIX)
-        if mode not in MODE_NAMES and not ORACLE_MODE.fullmatch(plain) and not SIZED_MODE.fullmatch(plain):
+        if not is_known_mode(mode):
             raise ValueError(f"Unknown mode {mode!r}; choose from {MODE_NAMES}, oracle_k<k>, feature_k<k>_t<p>")
         missing = _missing_model(setup, mode.removesuffix(COMPILED_SUFFIX))
         if mode in ("oracle", "oracle_compiled"):

@@ -27,11 +27,10 @@ from hf_blockwise.tools.bench import (
     FAST_PATH_MODES,
     LOOP_MODES,
     MODE_NAMES,
-    ORACLE_MODE,
-    SIZED_MODE,
     BenchSetup,
     compile_modes,
     decoder_cost_curve,
+    is_known_mode,
     plot_cost_curve,
     read_lines,
     run_bench,
@@ -376,7 +375,8 @@ def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         default=None,
         type=_mode_name,
         help="any of " + " ".join(MODE_NAMES) + ", oracle_k<k>, heads_k<k>, seq_heads_k<k>, feature_k<k>, "
-        "feature_k<k>_t<threshold>, feature_t<threshold>; default: " + " ".join(DEFAULT_MODES),
+        "feature_k<k>_t<threshold>, feature_t<threshold>, each also with a _compiled suffix; default: "
+        + " ".join(DEFAULT_MODES),
     )
     bench.add_argument(
         "--fast-path",
@@ -423,7 +423,7 @@ def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
 
 
 def _mode_name(mode: str) -> str:
-    if mode in MODE_NAMES or ORACLE_MODE.fullmatch(mode) or SIZED_MODE.fullmatch(mode):
+    if is_known_mode(mode):
         return mode
     raise argparse.ArgumentTypeError(f"unknown mode {mode!r}")
 

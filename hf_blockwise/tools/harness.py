@@ -14,7 +14,8 @@ How [`measure`] runs:
 - the first batch is decoded once in every mode before timing starts (`warmup`): first calls pay one-off
   allocation costs;
 - decoder calls are counted by a forward hook on the decoder of each model in `count_forwards_of`, whatever the
-  mode (transformers' generation modes report none themselves);
+  mode (transformers' generation modes report none themselves), plus the compiled calls of its engine, which run
+  no hooks;
 - accepted blocks come from `output.decoding_stats` where the output has them (blockwise decoding);
 - each mode's rows are compared with its reference mode's rows of the same batch, and BLEU is computed against
   `references` when a tokenizer and references are given.
@@ -32,6 +33,8 @@ import sacrebleu
 import torch
 from torch import nn
 from tqdm.auto import tqdm
+
+from hf_blockwise.generation.engine import engine_of
 
 Batch = dict[str, torch.Tensor]
 # A runner decodes one batch; it also gets the outputs of the modes that ran before it on the same batch (by
@@ -128,14 +131,34 @@ class ModeResult:
 
 
 class DecoderCallCounter:
-    """Counts decoder forward passes (a forward hook on the model's decoder), whatever the decoding mode."""
+    """Counts decoder forward passes, whatever the decoding mode: eager ones by a forward hook on the model's
+    decoder, compiled ones (which run no hooks) by the model's engine ([`engine_of`]).
+
+    Attributes:
+        calls (`int`): decoder passes since the last [`reset`].
+    """
 
     def __init__(self, model: nn.Module) -> None:
-        self.calls = 0
+        self.model = model
+        self._hook_calls = 0
+        self._engine_baseline = 0
         self._handle = model.get_decoder().register_forward_hook(self._count)
 
     def _count(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.calls += 1
+        # traced into a compiled graph, the hook counts nothing: the engine counts those calls
+        if not torch.compiler.is_compiling():
+            self._hook_calls += 1
+
+    def _engine_calls(self) -> int:
+        engine = engine_of(self.model)
+        return 0 if engine is None else engine.compiled_calls
+
+    def reset(self) -> None:
+        self._hook_calls, self._engine_baseline = 0, self._engine_calls()
+
+    @property
+    def calls(self) -> int:
+        return self._hook_calls + max(self._engine_calls() - self._engine_baseline, 0)
 
     def close(self) -> None:
         self._handle.remove()
@@ -158,7 +181,7 @@ def _timed_run(
 ) -> tuple[Any, float, int]:
     """The output of the first run, the median time over `repeats` runs, and the first run's decoder calls."""
     for counter in counters:
-        counter.calls = 0
+        counter.reset()
     output, times, forwards = None, [], 0
     for repeat in range(repeats):
         start = time.perf_counter()
