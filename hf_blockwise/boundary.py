@@ -40,6 +40,7 @@ from transformers.generation.stopping_criteria import (
 )
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateEncoderDecoderOutput
+from transformers.modeling_outputs import BaseModelOutput
 from transformers.utils import ModelOutput, cached_file
 
 from hf_blockwise.serialization import atomic_write_text
@@ -73,7 +74,10 @@ def validate_generation_config(generation_config: GenerationConfig) -> None:
     if getattr(generation_config, "dola_layers", None) is not None:
         raise ValueError("dola_layers (DoLa decoding) is not supported by blockwise decoding")
     if generation_config.use_cache is False:
-        raise ValueError("Blockwise decoding needs the KV cache; use_cache=False is not supported")
+        raise ValueError(
+            "Blockwise decoding needs the KV cache; use_cache=False is not supported (some configs default to it, "
+            "e.g. Pix2Struct's text config: pass use_cache=True to generate)"
+        )
     for flag, what in _UNSUPPORTED_FLAGS.items():
         if getattr(generation_config, flag, False):
             raise ValueError(
@@ -190,9 +194,41 @@ def adapt_generate_call(
         filler_token_id=0 if pad_token_id is None else pad_token_id,
         cache=loop_decoder_cache(model_kwargs),
         forward_kwargs=forward_kwargs(model_kwargs),
-        encoder_input_ids=inputs_tensor,
-        encoder_attention_mask=model_kwargs.get("attention_mask"),
+        # a speech or vision encoder's inputs are not token ids that a drafter could copy
+        encoder_input_ids=inputs_tensor if encoder_input_name(model) == "input_ids" else None,
+        encoder_attention_mask=encoder_output_mask(
+            model, encoder_hidden_states(model_kwargs), model_kwargs.get("attention_mask")
+        ),
         streamer=streamer,
+    )
+
+
+def encoder_output_mask(
+    model: nn.Module, encoder_states: torch.Tensor | None, attention_mask: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The attention mask over the encoder's *output* positions, which drafters that attend to it need.
+
+    A text encoder keeps one output per input token, so the generate call's mask serves as it is. Speech encoders
+    subsample their input frames (Speech2Text 4x, wav2vec2 by its convolutions); their models map a frame mask
+    onto the output positions with `_get_feature_vector_attention_mask`, used here.
+
+    Args:
+        encoder_states (`torch.Tensor` of shape `(batch_size, output_length, hidden_size)`, *optional*).
+        attention_mask (`torch.LongTensor` of shape `(batch_size, input_length)`, *optional*).
+
+    Returns:
+        `torch.LongTensor` of shape `(batch_size, output_length)`, or `None` without a mask.
+    """
+    if attention_mask is None or encoder_states is None or attention_mask.shape[1] == encoder_states.shape[1]:
+        return attention_mask
+    for module in (model, model.get_encoder()):
+        subsample = getattr(module, "_get_feature_vector_attention_mask", None)
+        if subsample is not None:
+            return subsample(encoder_states.shape[1], attention_mask).long()
+    raise ValueError(
+        f"The attention mask covers {attention_mask.shape[1]} input positions but the encoder of "
+        f"{model_name(model)} outputs {encoder_states.shape[1]}, and the model has no mapping between them "
+        "(_get_feature_vector_attention_mask)"
     )
 
 
@@ -570,14 +606,18 @@ def check_decoder_length(model: nn.Module, max_length: int, prompt_length: int) 
 
 
 def decoder_config(config: PretrainedConfig) -> PretrainedConfig:
-    """The config that describes the decoder: its own sub-config where the model has one (`EncoderDecoderModel`,
-    T5Gemma), else the model's config.
+    """The config that describes the decoder: its own sub-config where the model has one (`decoder`:
+    `EncoderDecoderModel`, `VisionEncoderDecoderModel`, `SpeechEncoderDecoderModel`, T5Gemma; `text_config`: the
+    text decoder of Pix2Struct), else the model's config.
 
     Not `config.get_text_config(decoder=True)`: for configs without a decoder sub-config (Marian in 5.23) it
     returns a freshly built config with default sizes, not the model's.
     """
-    sub_config = getattr(config, "decoder", None)
-    return sub_config if isinstance(sub_config, PretrainedConfig) else config
+    for name in ("decoder", "text_config"):
+        sub_config = getattr(config, name, None)
+        if isinstance(sub_config, PretrainedConfig):
+            return sub_config
+    return config
 
 
 def decoder_layer_count(model: nn.Module) -> int:
@@ -827,8 +867,19 @@ class ProbeInputs:
     pad_token_id: int | None
 
 
+def encoder_input_name(model: nn.Module) -> str:
+    """What the model's encoder reads: `input_ids` for text, `input_features` (Whisper, Speech2Text), `input_values`
+    (wav2vec2-style speech encoders), `pixel_values` (vision encoders), `flattened_patches` (Pix2Struct)."""
+    return getattr(model.get_encoder(), "main_input_name", "input_ids")
+
+
 def probe_inputs(model: nn.Module, length: int) -> ProbeInputs:
-    """Encodes two short sources of different lengths and picks ordinary (non-special) decoder tokens."""
+    """Two short sources of different lengths and ordinary (non-special) decoder tokens.
+
+    A text encoder encodes two random sources, the second padded. The decoder of a speech or vision model only
+    sees its encoder's output, so the probe hands it random encoder states of the encoder's width instead of
+    synthesizing audio or images.
+    """
     special = _special_token_ids(model)
     fallback = int(getattr(decoder_config(model.config), "vocab_size", 0) or 0)
     generator = torch.Generator().manual_seed(0)
@@ -837,13 +888,19 @@ def probe_inputs(model: nn.Module, length: int) -> ProbeInputs:
         candidates = torch.tensor([i for i in range(min(vocab_size, 4096)) if i not in special])
         return candidates[torch.randperm(len(candidates), generator=generator)[:count]]
 
-    device = next(model.parameters()).device
-    encoder = model.get_encoder()
-    source = ordinary(_vocabulary_size(encoder, fallback), 2 * 5).reshape(2, 5).to(device)
-    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], device=device)
+    parameter = next(model.parameters())
+    device = parameter.device
     pad = model.config.pad_token_id
-    source = source.masked_fill(mask == 0, 0 if pad is None else int(pad))
-    encoder_outputs = encoder(input_ids=source, attention_mask=mask, return_dict=True)
+    if encoder_input_name(model) == "input_ids":
+        encoder = model.get_encoder()
+        source = ordinary(_vocabulary_size(encoder, fallback), 2 * 5).reshape(2, 5).to(device)
+        mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], device=device)
+        source = source.masked_fill(mask == 0, 0 if pad is None else int(pad))
+        encoder_outputs = encoder(input_ids=source, attention_mask=mask, return_dict=True)
+        forward_kwargs = {"encoder_outputs": encoder_outputs, "attention_mask": mask}
+    else:
+        states = torch.randn(2, 6, encoder_hidden_size(model), generator=generator)
+        forward_kwargs = {"encoder_outputs": BaseModelOutput(last_hidden_state=states.to(device, parameter.dtype))}
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     tokens = ordinary(_vocabulary_size(decoder, fallback) if decoder is not None else fallback, 2 * length)
     tokens = tokens.reshape(2, length).to(device)
@@ -852,7 +909,7 @@ def probe_inputs(model: nn.Module, length: int) -> ProbeInputs:
     if isinstance(start, int):
         tokens[:, 0] = start
     return ProbeInputs(
-        forward_kwargs={"encoder_outputs": encoder_outputs, "attention_mask": mask},
+        forward_kwargs=forward_kwargs,
         decoder_tokens=tokens,
         pad_token_id=None if pad is None else int(pad),
     )

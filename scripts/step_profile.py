@@ -1,0 +1,97 @@
+"""Where a blockwise step's time goes: verification, drafting, bookkeeping and `generate`'s fixed cost per sentence.
+
+Wall-clock time is summed per phase over a run of sentences at batch size 1 (after an untimed warm-up run over the
+same sentences, which also compiles): `verification` is the decoder forward (`step.run_decoder`), `drafting` the
+drafter's `get_candidates`, `bookkeeping` the rest of each step (feed, scores, acceptance, stopping, advance), and
+`generate (fixed)` what a call spends outside its steps (encoder, transformers' setup, the loop's own setup).
+
+    python scripts/step_profile.py --model hf_blockwise/pretrained/multi30k-en-de \
+        --source-file ../shared/data/multi30k/test_2016_flickr.en.gz --sentences 100 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+from hf_blockwise import blockwise_generate
+from hf_blockwise.drafters.feature import FeatureDrafter
+from hf_blockwise.generation import loop, step
+from hf_blockwise.modeling.feature_model import FeatureDrafterModel
+from hf_blockwise.tools.bench import read_lines
+
+MODES = ("greedy", "greedy_compiled", "feature", "feature_compiled")
+
+
+def _timed(totals: dict[str, float], name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        result = function(*args, **kwargs)
+        totals[name] += time.perf_counter() - start
+        return result
+
+    return run
+
+
+def profile_mode(base, tokenizer, drafter: FeatureDrafter, sources: list[str], mode: str) -> dict[str, float]:
+    """Milliseconds per sentence of each phase for one mode."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    originals = (loop.decode_step, step.run_decoder, FeatureDrafter.get_candidates)
+    loop.decode_step = _timed(totals, "step", loop.decode_step)
+    step.run_decoder = _timed(totals, "verification", step.run_decoder)
+    FeatureDrafter.get_candidates = _timed(totals, "drafting", FeatureDrafter.get_candidates)
+    assistant = drafter if mode.startswith("feature") else None
+    try:
+        with torch.inference_mode():
+            for _run in ("warm-up", "timed"):
+                totals.clear()
+                start = time.perf_counter()
+                for source in sources:
+                    base.generate(
+                        **tokenizer(source, return_tensors="pt"), custom_generate=blockwise_generate,
+                        assistant=assistant, blockwise_compile=mode.endswith("compiled"), max_new_tokens=128,
+                    )  # fmt: skip
+                total = time.perf_counter() - start
+    finally:
+        loop.decode_step, step.run_decoder, FeatureDrafter.get_candidates = originals
+    phases = {
+        "verification": totals["verification"],
+        "drafting": totals["drafting"],
+        "bookkeeping": totals["step"] - totals["verification"] - totals["drafting"],
+        "generate (fixed)": total - totals["step"],
+        "total": total,
+    }
+    return {name: 1000 * seconds / len(sources) for name, seconds in phases.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="model directory with a feature-drafter/ folder")
+    parser.add_argument("--source-file", required=True)
+    parser.add_argument("--sentences", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--block-size", type=int, default=None, help="the feature drafter's k (default: its config's)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    base = AutoModelForSeq2SeqLM.from_pretrained(args.model).eval()
+    feature = FeatureDrafterModel.from_pretrained(f"{args.model}/feature-drafter", base_model=base).eval()
+    drafter = feature.drafter(block_size=args.block_size)
+    sources = read_lines(args.source_file)[: args.sentences]
+    print(f"ms per sentence, {len(sources)} sentences, batch 1, {args.threads} threads, k = {drafter.block_size}")
+    print("| mode | verification | drafting | bookkeeping | generate (fixed) | total |")
+    print("|---|---|---|---|---|---|")
+    for mode in args.modes:
+        phases = profile_mode(base, tokenizer, drafter, sources, mode)
+        print(f"| {mode} | " + " | ".join(f"{value:.1f}" for value in phases.values()) + " |")
+
+
+if __name__ == "__main__":
+    main()

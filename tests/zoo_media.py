@@ -1,0 +1,173 @@
+"""A zoo of tiny speech and vision encoder-decoders: what `generate` serves beyond text-to-text (issue 19).
+
+Each entry builds a fresh, randomly initialised model from a config written here (no downloads) and random
+encoder inputs of its modality, with padded rows where the model takes an attention mask. Vocabulary 64, widths
+24-32, 2 layers a side, large initial weights (as in `zoo.py`) so that greedy outputs vary; pad 1, eos 0, decoder
+start 2.
+
+Notes per entry:
+
+* `whisper`: input features must span exactly `2 * max_source_positions` frames (the encoder's two convolutions,
+  the second of stride 2); `suppress_tokens` / `begin_suppress_tokens` are emptied (the tiny vocabulary has none
+  of the real ones). Whisper's `generate` returns the tokens after its decoder prompt.
+* `speech_to_text`: log-mel frames with an attention mask (padded rows), subsampled 4x by two convolutions.
+* `vision_trocr` / `vision_bert`: `VisionEncoderDecoderModel` with a ViT encoder (width 32) and a TrOCR decoder of
+  another width (24: the model projects the encoder output) or a BERT decoder with cross-attention.
+* `speech_bert`: `SpeechEncoderDecoderModel`, a wav2vec2 encoder over raw samples and a BERT decoder.
+* `pix2struct`: flattened patches (row and column, 1-based, then `patch_size ** 2 * channels` values) with a patch
+  mask; padded patches are all zeros, as its image processor pads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import (
+    BertConfig,
+    Pix2StructConfig,
+    Pix2StructForConditionalGeneration,
+    PreTrainedModel,
+    Speech2TextConfig,
+    Speech2TextForConditionalGeneration,
+    SpeechEncoderDecoderConfig,
+    SpeechEncoderDecoderModel,
+    TrOCRConfig,
+    VisionEncoderDecoderConfig,
+    VisionEncoderDecoderModel,
+    ViTConfig,
+    Wav2Vec2Config,
+    WhisperConfig,
+    WhisperForConditionalGeneration,
+)
+
+VOCAB_SIZE = 64
+_IDS = dict(pad_token_id=1, bos_token_id=2, eos_token_id=0, decoder_start_token_id=2)
+_SEQ2SEQ = dict(
+    vocab_size=VOCAB_SIZE, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+    decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, init_std=1.0, dropout=0.0, **_IDS,
+)  # fmt: skip
+_VIT = dict(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=64)  # fmt: skip
+_BERT_DECODER = dict(vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, is_decoder=True, add_cross_attention=True, initializer_range=0.5,
+                     pad_token_id=1)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MediaEntry:
+    """A tiny model and how to make its encoder inputs.
+
+    Attributes:
+        build (`Callable[[], PreTrainedModel]`).
+        inputs (`Callable[[int, torch.Generator], dict]`): encoder inputs for a batch size.
+    """
+
+    build: Callable[[], PreTrainedModel]
+    inputs: Callable[[int, torch.Generator], dict]
+
+
+def _padded_mask(batch_size: int, length: int, generator: torch.Generator, minimum: int) -> torch.Tensor:
+    """Row 0 full, the others of random lengths from `minimum` up."""
+    lengths = torch.randint(minimum, length + 1, (batch_size,), generator=generator)
+    lengths[0] = length
+    return (torch.arange(length)[None, :] < lengths[:, None]).long()
+
+
+def _with_ids(config):
+    config.pad_token_id, config.decoder_start_token_id, config.eos_token_id = 1, 2, 0
+    return config
+
+
+def _whisper() -> PreTrainedModel:
+    config = WhisperConfig(
+        num_mel_bins=8, max_source_positions=16, max_target_positions=64, suppress_tokens=[],
+        begin_suppress_tokens=[], **_SEQ2SEQ,
+    )  # fmt: skip
+    return WhisperForConditionalGeneration(config)
+
+
+def _speech_to_text() -> PreTrainedModel:
+    config = Speech2TextConfig(
+        input_feat_per_channel=8, input_channels=1, conv_channels=16, conv_kernel_sizes=[5, 5], num_conv_layers=2,
+        max_source_positions=64, max_target_positions=64, **_SEQ2SEQ,
+    )  # fmt: skip
+    return Speech2TextForConditionalGeneration(config)
+
+
+def _speech_to_text_inputs(batch_size: int, generator: torch.Generator) -> dict:
+    mask = _padded_mask(batch_size, 24, generator, minimum=8)
+    features = torch.randn(batch_size, 24, 8, generator=generator) * mask[:, :, None]
+    return {"input_features": features, "attention_mask": mask}
+
+
+def _vision(decoder) -> Callable[[], PreTrainedModel]:
+    def build() -> PreTrainedModel:
+        config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(ViTConfig(**_VIT), decoder)
+        return VisionEncoderDecoderModel(_with_ids(config))
+
+    return build
+
+
+def _speech_bert() -> PreTrainedModel:
+    encoder = Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16),
+        conv_stride=(4, 4), conv_kernel=(8, 8), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2,
+    )  # fmt: skip
+    config = SpeechEncoderDecoderConfig.from_encoder_decoder_configs(encoder, BertConfig(**_BERT_DECODER))
+    return SpeechEncoderDecoderModel(_with_ids(config))
+
+
+def _pix2struct() -> PreTrainedModel:
+    text = dict(vocab_size=VOCAB_SIZE, hidden_size=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+                initializer_factor=3.0, pad_token_id=1, eos_token_id=0, decoder_start_token_id=2)  # fmt: skip
+    vision = dict(hidden_size=32, patch_embed_hidden_size=48, d_ff=64, d_kv=16, num_hidden_layers=2,
+                  num_attention_heads=2, patch_size=4, num_channels=3)  # fmt: skip
+    config = Pix2StructConfig(text_config=text, vision_config=vision, pad_token_id=1, decoder_start_token_id=2)
+    return Pix2StructForConditionalGeneration(config)
+
+
+def _pix2struct_inputs(batch_size: int, generator: torch.Generator) -> dict:
+    mask = _padded_mask(batch_size, 12, generator, minimum=5)
+    index = torch.arange(12)
+    coordinates = torch.stack([index // 4 + 1, index % 4 + 1], dim=-1).float().expand(batch_size, 12, 2)  # row, column
+    values = torch.randn(batch_size, 12, 4 * 4 * 3, generator=generator)
+    return {"flattened_patches": torch.cat([coordinates, values], dim=-1) * mask[:, :, None], "attention_mask": mask}
+
+
+MEDIA_ARCHITECTURES: dict[str, MediaEntry] = {
+    "whisper": MediaEntry(_whisper, lambda b, g: {"input_features": torch.randn(b, 8, 32, generator=g)}),
+    "speech_to_text": MediaEntry(_speech_to_text, _speech_to_text_inputs),
+    "vision_trocr": MediaEntry(
+        _vision(
+            TrOCRConfig(
+                vocab_size=VOCAB_SIZE,
+                d_model=24,
+                decoder_layers=2,
+                decoder_attention_heads=2,
+                decoder_ffn_dim=48,
+                max_position_embeddings=64,
+                init_std=0.5,
+                **_IDS,
+            )
+        ),
+        lambda b, g: {"pixel_values": torch.randn(b, 3, 16, 16, generator=g)},
+    ),
+    "vision_bert": MediaEntry(
+        _vision(BertConfig(**_BERT_DECODER)), lambda b, g: {"pixel_values": torch.randn(b, 3, 16, 16, generator=g)}
+    ),
+    "speech_bert": MediaEntry(_speech_bert, lambda b, g: {"input_values": torch.randn(b, 800, generator=g)}),
+    "pix2struct": MediaEntry(_pix2struct, _pix2struct_inputs),
+}
+
+
+def build_media_model(name: str, seed: int = 0) -> PreTrainedModel:
+    torch.manual_seed(seed)
+    model = MEDIA_ARCHITECTURES[name].build().eval()
+    model.generation_config.max_length = 64
+    return model
+
+
+def media_batch(name: str, batch_size: int, seed: int) -> dict:
+    return MEDIA_ARCHITECTURES[name].inputs(batch_size, torch.Generator().manual_seed(seed))
