@@ -15,6 +15,19 @@ hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.
     --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 300 --batch-sizes 1 --threads 2 \
     --modes greedy loop greedy_compiled oracle_compiled feature feature_compiled heads_compiled seq_heads_compiled \
     hf_greedy_compiled ct2 ct2_int8 --oracle-block-sizes 4 8 --out docs/bench/multi30k-compiled
+# compiled drafting (issue 18): the feature drafter's compiled block at k = 3..5; error correction and batch 16
+hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz \
+    --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 300 --batch-sizes 1 --threads 2 \
+    --modes greedy greedy_compiled feature feature_compiled feature_k4_compiled feature_k5_compiled \
+    --out docs/bench/multi30k-feature-compiled
+hf-blockwise bench --model $gec --source-file $data/jfleg/dev.src --reference-file $data/jfleg/dev.ref0 --sentences 300 \
+    --modes greedy greedy_compiled iad iad_compiled --batch-sizes 1 --threads 2 --out docs/bench/gec-jfleg-compiled
+hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz \
+    --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 300 --batch-sizes 16 --threads 2 \
+    --modes greedy loop greedy_compiled oracle_compiled feature feature_compiled --oracle-block-sizes 4 \
+    --out docs/bench/multi30k-compiled-b16
+# where a step's time goes (verification, drafting, bookkeeping, generate's fixed cost), printed
+python scripts/step_profile.py --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz --sentences 100 --threads 2
 # the decoder cost curve, eager and compiled, 1..8 tokens
 hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz --sentences 3 --batch-sizes 1 \
     --threads 2 --modes greedy --cost-curve --cost-curve-max-tokens 8 --out docs/bench/multi30k-cost-curve-compiled

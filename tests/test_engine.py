@@ -146,20 +146,28 @@ class _TwinFeatureDrafter(Drafter):
 @pytest.mark.parametrize("threshold", [None, 0.05])
 def test_compiled_feature_drafting_drafts_what_the_eager_drafter_drafts(compiled_models, threshold) -> None:
     """The feature drafter's compiled block (take-in and unrolled drafts in one call) proposes, row by row, the
-    drafts of its eager op-by-op path, over steps with rows finishing and narrower verified chunks."""
+    drafts of its eager op-by-op path, over steps with narrower verified chunks (batch 1, where it is used)."""
     base = compiled_models["bart"]
     drafter_model = FeatureDrafterModel(base, FeatureDrafterConfig(block_size=4, training_depth=2)).eval()
-    batch = random_batch(base, 4, seed=12)
-    greedy = _generate(base, batch, blockwise_compile=True)
     twin = _TwinFeatureDrafter(drafter_model.drafter(threshold=threshold))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no fallback warning: it really ran compiled
-        assert torch.equal(_generate(base, batch, assistant=twin, blockwise_compile=True), greedy)
+    for seed in (12, 13, 14):  # batch 1: where the compiled block drafts
+        batch = random_batch(base, 1, seed=seed, max_source_length=8 + seed % 4)
+        greedy = _generate(base, batch, blockwise_compile=True)
+        twin.pairs.append(None)  # each call starts with a step that has no states to draft from
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback warning: it really ran compiled
+            assert torch.equal(_generate(base, batch, assistant=twin, blockwise_compile=True), greedy)
     compared = 0
-    for step, (eager, compiled, max_drafts) in enumerate(twin.pairs):
-        if step == 0:  # before the first verification there are no states to draft from
-            assert eager.tokens.shape[1] == compiled.tokens.shape[1] == 0
-            continue
+    pairs, first = [], False
+    for pair in twin.pairs:
+        if pair is None:
+            first = True
+        elif first:  # before a call's first verification there are no states to draft from
+            assert pair[0].tokens.shape[1] == pair[1].tokens.shape[1] == 0
+            first = False
+        else:
+            pairs.append(pair)
+    for eager, compiled, max_drafts in pairs:
         assert compiled.tokens.shape[1] == twin.block_size - 1
         usable = torch.minimum(eager.lengths, max_drafts)  # drafts past a row's room are never fed
         assert torch.equal(torch.minimum(compiled.lengths, max_drafts), usable)
@@ -168,7 +176,7 @@ def test_compiled_feature_drafting_drafts_what_the_eager_drafter_drafts(compiled
             compared += count
     assert compared > 10, compared
     if threshold is not None:  # the threshold cut some rows' drafts short, and not all of them
-        cut = torch.cat([eager.lengths for eager, _, _ in twin.pairs[1:]])
+        cut = torch.cat([eager.lengths for eager, _, _ in pairs])
         assert bool((cut < twin.block_size - 1).any()) and bool((cut > 0).any()), cut
 
 
