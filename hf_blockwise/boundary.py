@@ -13,6 +13,7 @@ import inspect
 import json
 import os
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,7 +21,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForSeq2SeqLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForImageTextToText,
+    AutoModelForSeq2SeqLM,
+    AutoModelForSpeechSeq2Seq,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache, StaticLayer
 from transformers.generation import GenerationConfig, GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
@@ -41,6 +49,10 @@ from transformers.generation.stopping_criteria import (
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateEncoderDecoderOutput
 from transformers.modeling_outputs import BaseModelOutput
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+)
 from transformers.utils import ModelOutput, cached_file
 
 from hf_blockwise.serialization import atomic_write_text
@@ -69,8 +81,10 @@ def validate_generation_config(generation_config: GenerationConfig) -> None:
             f"(do_sample={generation_config.do_sample}, num_beams={generation_config.num_beams}, "
             f"penalty_alpha={generation_config.penalty_alpha}, "
             f"prompt_lookup_num_tokens={generation_config.prompt_lookup_num_tokens}). Use do_sample=False and "
-            "num_beams=1, or call the base model's generate without hf_blockwise."
+            "num_beams=1, or call the base model's generate without hf_blockwise (the automatic-speech-recognition "
+            "pipeline adds num_beams=5 unless generate_kwargs or the model's generation config set num_beams)."
         )
+    validate_segment_options(generation_config)
     if getattr(generation_config, "dola_layers", None) is not None:
         raise ValueError("dola_layers (DoLa decoding) is not supported by blockwise decoding")
     if generation_config.use_cache is False:
@@ -89,6 +103,71 @@ def validate_generation_config(generation_config: GenerationConfig) -> None:
             f"cache_implementation={generation_config.cache_implementation!r} is not supported; blockwise "
             "decoding crops a dynamic cache after every verification step"
         )
+
+
+# Whisper's generate writes its segment-loop options onto the generation config it passes to `generate` for each
+# segment; these ones change what a segment's decoding is beyond greedy search.
+_FALLBACK_THRESHOLDS = ("compression_ratio_threshold", "logprob_threshold")
+
+
+def validate_segment_options(generation_config: GenerationConfig) -> None:
+    """Raises a `ValueError` for the options of a segment-by-segment speech `generate` (Whisper's) that blockwise
+    decoding cannot keep exact; decided from the generation config each segment's search receives.
+
+    Every segment is an ordinary greedy search, decoded exactly (long-form audio, timestamps, language and task
+    tokens, `prompt_ids` included). Refused:
+
+    - temperature fallback: with `compression_ratio_threshold` or `logprob_threshold`, a segment whose output
+      crosses a threshold is decoded again by *sampling* at the next temperature (`logprob_threshold` also needs
+      per-step scores). The temperatures themselves never reach the search, so any threshold is refused; without
+      one, `temperature=(0.0, ...)` decodes greedily at 0.0 only.
+    - `condition_on_prev_tokens=True`: each segment's decoder prompt starts with the previous segment's tokens,
+      left-padded per row under a `decoder_attention_mask`.
+    - `return_token_timestamps=True` (word-level timestamps): read from every step's scores and cross-attention.
+    """
+    thresholds = {name: getattr(generation_config, name, None) for name in _FALLBACK_THRESHOLDS}
+    set_thresholds = ", ".join(f"{name}={value}" for name, value in thresholds.items() if value is not None)
+    if set_thresholds:
+        raise ValueError(
+            f"Temperature fallback ({set_thresholds}) is not supported by blockwise decoding: a segment whose output "
+            "crosses the threshold is decoded again by sampling at the next temperature, and logprob_threshold needs "
+            "per-step scores, while blockwise decoding reproduces greedy search. Generate without "
+            "compression_ratio_threshold and logprob_threshold (temperature=0.0 alone is greedy), or use the base "
+            "model's generate without hf_blockwise."
+        )
+    if getattr(generation_config, "condition_on_prev_tokens", None):
+        raise ValueError(
+            "condition_on_prev_tokens=True is not supported by blockwise decoding: each segment's decoder prompt "
+            "then starts with the previous segment's tokens, left-padded per row, which blockwise decoding cannot "
+            "position exactly. Generate without it (long-form audio is still decoded exactly, segment by segment), "
+            "or use the base model's generate without hf_blockwise."
+        )
+    if getattr(generation_config, "return_token_timestamps", None):
+        raise ValueError(
+            "return_token_timestamps=True (word-level timestamps, e.g. the automatic-speech-recognition pipeline's "
+            "return_timestamps='word') is not supported by blockwise decoding: they are read from every step's "
+            "scores and cross-attention maps, which a blockwise step does not produce one token at a time. Use "
+            "return_timestamps=True (segment timestamps), or the base model's generate without hf_blockwise."
+        )
+
+
+def decoder_prompt_kwargs(model_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The model kwargs of a `generate` call without a `decoder_attention_mask` that masks nothing.
+
+    Greedy search extends such a mask with ones, step by step, which is what attending to every decoder position
+    does. A mask with zeros (a left-padded decoder prompt) would shift each row's positions, which a blockwise
+    step does not reproduce: refused.
+    """
+    mask = model_kwargs.get("decoder_attention_mask")
+    if mask is None:
+        return model_kwargs
+    if not bool(mask.all()):
+        raise ValueError(
+            "A decoder_attention_mask with padding (decoder prompts of different lengths, left-padded) is not "
+            "supported by blockwise decoding: give every row a decoder prompt of the same length, or use the base "
+            "model's generate without hf_blockwise."
+        )
+    return {key: value for key, value in model_kwargs.items() if key != "decoder_attention_mask"}
 
 
 def pad_token_tensor(generation_config: GenerationConfig) -> torch.Tensor | None:
@@ -175,6 +254,7 @@ def adapt_generate_call(
     if synced_gpus:
         raise ValueError("synced_gpus=True is not supported by blockwise decoding")
     validate_generation_config(generation_config)
+    model_kwargs = decoder_prompt_kwargs(model_kwargs)
     rules = split_stopping_criteria(stopping_criteria, generation_config)
     if rules.others and rules.eos_token_ids is None:
         raise ValueError(
@@ -225,11 +305,52 @@ def encoder_output_mask(
         subsample = getattr(module, "_get_feature_vector_attention_mask", None)
         if subsample is not None:
             return subsample(encoder_states.shape[1], attention_mask).long()
+    if not decoder_reads_frame_mask(model, attention_mask.shape[1], encoder_states.shape[1]):
+        # Whisper: its decoder attends to every encoder position, the padded audio's included; the drafters do too
+        return None
     raise ValueError(
         f"The attention mask covers {attention_mask.shape[1]} input positions but the encoder of "
-        f"{model_name(model)} outputs {encoder_states.shape[1]}, and the model has no mapping between them "
-        "(_get_feature_vector_attention_mask)"
+        f"{model_name(model)} outputs {encoder_states.shape[1]}, its decoder's output depends on the mask, and the "
+        "model has no mapping between them (_get_feature_vector_attention_mask)"
     )
+
+
+_READS_FRAME_MASK: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def decoder_reads_frame_mask(model: nn.Module, input_length: int, output_length: int) -> bool:
+    """Whether the model's logits depend on the `attention_mask` of its encoder *inputs* once the encoder has run.
+
+    Checked once per model (the verdict is cached), in eval mode, on random encoder states of `output_length`
+    positions and two masks of `input_length` positions, one of them masking half a row: Whisper's decoder reads no
+    mask (its audio is padded to the window and attended to whole), so equal logits.
+    """
+    verdict = _READS_FRAME_MASK.get(model)
+    if verdict is not None:
+        return verdict
+    parameter = next(model.parameters())
+    generator = torch.Generator().manual_seed(0)
+    states = torch.randn(2, output_length, encoder_hidden_size(model), generator=generator)
+    encoder_outputs = BaseModelOutput(last_hidden_state=states.to(parameter.device, parameter.dtype))
+    full = torch.ones(2, input_length, dtype=torch.long, device=parameter.device)
+    half = full.clone()
+    half[1, input_length // 2 :] = 0
+    was_training = model.training
+    model.eval()  # dropout would make two passes differ
+    try:
+        with torch.no_grad():
+            tokens = probe_inputs(model, 2).decoder_tokens
+            logits = [
+                decoder_forward(
+                    model, tokens, new_decoder_cache(), {"encoder_outputs": encoder_outputs, "attention_mask": mask}
+                )[0]
+                for mask in (full, half)
+            ]
+    finally:
+        model.train(was_training)
+    verdict = not torch.equal(logits[0], logits[1])
+    _READS_FRAME_MASK[model] = verdict
+    return verdict
 
 
 def crop_cache(cache: Cache, length: int) -> None:
@@ -387,9 +508,12 @@ def decoder_forward(
     return outputs.logits, captured[-1]
 
 
-# Arguments that `generate` leaves in `model_kwargs` and that a decoder forward must not receive again.
+# Arguments that `generate` leaves in `model_kwargs` and that a decoder forward must not receive again. `labels`: a
+# processor's training targets, which `generate` passes on (the image-text-to-text pipeline with DonutProcessor
+# does); greedy search's forward computes an unused loss over its one-token feeds, which a wider feed breaks.
 _GENERATE_ONLY_KWARGS = {"use_cache", "past_key_values", "logits_to_keep", "output_attentions",
-                         "output_hidden_states", "return_dict", "decoder_input_ids", "cache_position"}  # fmt: skip
+                         "output_hidden_states", "return_dict", "decoder_input_ids", "cache_position",
+                         "labels"}  # fmt: skip
 
 
 def forward_kwargs(model_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -796,7 +920,7 @@ def adapter_base(
 
     With `base_model` given, that one, with a warning when the adapter was trained for another named base
     ([`warn_if_other_base`]); else the recorded base ([`resolved_base_location`]) loaded with
-    `AutoModelForSeq2SeqLM.from_pretrained(location, **base_model_kwargs)`.
+    [`load_encoder_decoder`]`(location, **base_model_kwargs)`.
     """
     location = resolved_base_location(adapter_name_or_path, recorded)
     if base_model is not None:
@@ -808,7 +932,19 @@ def adapter_base(
             "explicitly"
         )
     check_local_path(location, "the recorded base model (pass base_model= to attach one)")
-    return location, AutoModelForSeq2SeqLM.from_pretrained(location, **base_model_kwargs)
+    return location, load_encoder_decoder(location, **base_model_kwargs)
+
+
+def load_encoder_decoder(location: str | os.PathLike, **kwargs: Any) -> PreTrainedModel:
+    """An encoder-decoder checkpoint through the auto class its config's `model_type` maps to: speech (Whisper,
+    Speech2Text, `SpeechEncoderDecoderModel`), image-text (`VisionEncoderDecoderModel`, Pix2Struct) or, for every
+    other type, `AutoModelForSeq2SeqLM` (whose error names a type it cannot load)."""
+    model_type = AutoConfig.from_pretrained(location).model_type
+    if model_type in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES:
+        return AutoModelForSpeechSeq2Seq.from_pretrained(location, **kwargs)
+    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText.from_pretrained(location, **kwargs)
+    return AutoModelForSeq2SeqLM.from_pretrained(location, **kwargs)
 
 
 def has_file(name_or_path: str | os.PathLike, filename: str) -> bool:

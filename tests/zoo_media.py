@@ -3,13 +3,21 @@
 Each entry builds a fresh, randomly initialised model from a config written here (no downloads) and random
 encoder inputs of its modality, with padded rows where the model takes an attention mask. Vocabulary 64, widths
 24-32, 2 layers a side, large initial weights (as in `zoo.py`) so that greedy outputs vary; pad 1, eos 0, decoder
-start 2.
+start 2 (Whisper: 64 text tokens, then its own special and timestamp tokens, see below). Whisper comes with a
+feature extractor and a tokenizer built in code, for the automatic-speech-recognition pipeline.
 
 Notes per entry:
 
-* `whisper`: input features must span exactly `2 * max_source_positions` frames (the encoder's two convolutions,
-  the second of stride 2); `suppress_tokens` / `begin_suppress_tokens` are emptied (the tiny vocabulary has none
-  of the real ones). Whisper's `generate` returns the tokens after its decoder prompt.
+* `whisper`: a multilingual Whisper laid out like the released checkpoints: 64 text tokens, then `<|endoftext|>`
+  (eos and pad), `<|startoftranscript|>` (decoder start), three languages, the tasks, `<|startofprev|>`,
+  `<|notimestamps|>` and one timestamp token per 0.02 s of the window (`WHISPER_TOKENS`), with the generation config
+  fields Whisper's `generate` reads for languages, tasks, prompts and timestamps. Its window is 1 s: input features
+  span exactly `2 * max_source_positions` = 100 frames of 10 ms (the encoder's two convolutions, the second of
+  stride 2), what `whisper_feature_extractor()` makes of 16 kHz audio. `suppress_tokens` / `begin_suppress_tokens`
+  are emptied (the tiny vocabulary has none of the real ones). Whisper's `generate` detects the language when none
+  is given (a decoder forward on the start token), returns the tokens after its decoder prompt, and decodes the
+  window in several segments when the output holds consecutive timestamp tokens (the random model emits them
+  even after `<|notimestamps|>`).
 * `speech_to_text`: log-mel frames with an attention mask (padded rows), subsampled 4x by two convolutions.
 * `vision_trocr` / `vision_bert`: `VisionEncoderDecoderModel` with a ViT encoder (width 32) and a TrOCR decoder of
   another width (24: the model projects the encoder output) or a BERT decoder with cross-attention.
@@ -39,7 +47,9 @@ from transformers import (
     ViTConfig,
     Wav2Vec2Config,
     WhisperConfig,
+    WhisperFeatureExtractor,
     WhisperForConditionalGeneration,
+    WhisperTokenizer,
 )
 from zoo import VOCAB_SIZE
 
@@ -81,12 +91,53 @@ def _with_ids(config):
     return config
 
 
+# Whisper's special tokens follow the text vocabulary, in the released checkpoints' order; then the timestamps
+# <|0.00|> ... <|1.00|>, one per 0.02 s (two input frames) of the 1 s window.
+WHISPER_SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|de|>", "<|fr|>", "<|translate|>", "<|transcribe|>",
+    "<|startoflm|>", "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>",
+)  # fmt: skip
+WHISPER_TOKENS = {token: VOCAB_SIZE + i for i, token in enumerate(WHISPER_SPECIAL_TOKENS)}
+WHISPER_TIMESTAMPS = tuple(f"<|{i * 0.02:.2f}|>" for i in range(51))
+WHISPER_SAMPLING_RATE, WHISPER_WINDOW_SECONDS = 16000, 1
+
+
 def _whisper() -> PreTrainedModel:
+    ids = WHISPER_TOKENS
+    eos, start = ids["<|endoftext|>"], ids["<|startoftranscript|>"]  # eos is also pad, as in the checkpoints
+    seq2seq = {**_SEQ2SEQ, "vocab_size": VOCAB_SIZE + len(WHISPER_SPECIAL_TOKENS) + len(WHISPER_TIMESTAMPS)}
+    seq2seq.update(pad_token_id=eos, bos_token_id=eos, eos_token_id=eos, decoder_start_token_id=start)
     config = WhisperConfig(
-        num_mel_bins=8, max_source_positions=16, max_target_positions=64, suppress_tokens=[],
-        begin_suppress_tokens=[], **_SEQ2SEQ,
+        num_mel_bins=8, max_source_positions=50, max_target_positions=64, suppress_tokens=[],
+        begin_suppress_tokens=[], **seq2seq,
     )  # fmt: skip
-    return WhisperForConditionalGeneration(config)
+    model = WhisperForConditionalGeneration(config)
+    generation = model.generation_config
+    generation.is_multilingual = True
+    generation.lang_to_id = {token: ids[token] for token in ("<|en|>", "<|de|>", "<|fr|>")}
+    generation.task_to_id = {"translate": ids["<|translate|>"], "transcribe": ids["<|transcribe|>"]}
+    generation.no_timestamps_token_id = ids["<|notimestamps|>"]
+    generation.prev_sot_token_id = ids["<|startofprev|>"]
+    generation.max_initial_timestamp_index = 25  # at most 0.5 s into the window, as the checkpoints' 50 of 30 s is 1 s
+    return model
+
+
+def whisper_feature_extractor() -> WhisperFeatureExtractor:
+    """Log-mel features of the tiny Whisper's 1 s window: 8 mel bins, 100 frames of 10 ms at 16 kHz."""
+    return WhisperFeatureExtractor(
+        feature_size=8, sampling_rate=WHISPER_SAMPLING_RATE, hop_length=160, chunk_length=WHISPER_WINDOW_SECONDS
+    )
+
+
+def whisper_tokenizer() -> WhisperTokenizer:
+    """A byte-level BPE tokenizer over the tiny Whisper's vocabulary: one printable character per text token (no
+    merges), then `WHISPER_SPECIAL_TOKENS` and `WHISPER_TIMESTAMPS` at their model ids."""
+    vocab = {chr(ord("!") + i): i for i in range(VOCAB_SIZE)}  # "!" ... "`": printable ASCII, byte-level as they are
+    tokenizer = WhisperTokenizer(vocab=vocab, merges=[], extra_special_tokens=list(WHISPER_SPECIAL_TOKENS[1:]))
+    tokenizer.pad_token = "<|endoftext|>"
+    tokenizer.add_tokens(list(WHISPER_TIMESTAMPS))
+    assert [tokenizer.convert_tokens_to_ids(t) for t in WHISPER_SPECIAL_TOKENS] == list(WHISPER_TOKENS.values())
+    return tokenizer
 
 
 def _speech_to_text() -> PreTrainedModel:
@@ -138,7 +189,7 @@ def _pix2struct_inputs(batch_size: int, generator: torch.Generator) -> dict:
 
 
 MEDIA_ARCHITECTURES: dict[str, MediaEntry] = {
-    "whisper": MediaEntry(_whisper, lambda b, g: {"input_features": torch.randn(b, 8, 32, generator=g)}),
+    "whisper": MediaEntry(_whisper, lambda b, g: {"input_features": torch.randn(b, 8, 100, generator=g)}),
     "speech_to_text": MediaEntry(_speech_to_text, _speech_to_text_inputs),
     "vision_trocr": MediaEntry(
         _vision(

@@ -39,6 +39,18 @@ class DecodingStats:
         active = self.accepted > 0
         return float(self.accepted[active].float().mean()) if active.any() else 0.0
 
+    def __getitem__(self, row: int) -> DecodingStats:
+        """The statistics of one row of the batch: the forwards it took part in and its column of `accepted`.
+
+        Callers that split a `generate` output into rows index every field (Whisper's `generate` does, with
+        `value[row].cpu()`, for each segment it decodes), so the statistics split along with the sequences.
+        """
+        accepted = self.accepted[:, [row]]  # (num_iterations, 1)
+        return DecodingStats(num_forwards=int((accepted > 0).sum()), accepted=accepted)
+
+    def cpu(self) -> DecodingStats:
+        return DecodingStats(num_forwards=self.num_forwards, accepted=self.accepted.cpu())
+
 
 @dataclass(frozen=True)
 class DecodingSetup:

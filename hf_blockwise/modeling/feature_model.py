@@ -144,7 +144,7 @@ class FeatureDrafterModel(BaseModelWrapper):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         **kwargs: Any,
@@ -157,21 +157,27 @@ class FeatureDrafterModel(BaseModelWrapper):
         inference best.
 
         Args:
-            input_ids (`torch.LongTensor` of shape `(batch_size, source_length)`).
+            input_ids (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*): a text encoder's
+                input; speech and vision encoders take theirs (`input_features`, `pixel_values`...) in `kwargs`.
+            attention_mask (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*): over the
+                encoder's input; mapped onto its output positions for subsampling speech encoders.
             labels (`torch.LongTensor` of shape `(batch_size, target_length)`): -100 marks padding.
         """
         if labels is None:
             raise ValueError("FeatureDrafterModel.forward trains the drafter and needs labels")
+        if input_ids is not None:
+            kwargs["input_ids"] = input_ids
         with torch.no_grad(), hf.capture_output_projection_input(self.base_model) as captured:
-            outputs = self.base_model(
-                input_ids=input_ids, attention_mask=attention_mask, labels=labels, return_dict=True, **kwargs
-            )
+            outputs = self.base_model(attention_mask=attention_mask, labels=labels, return_dict=True, **kwargs)
         states = captured[-1].detach().to(self.layer.out.weight.dtype)  # (B, T, d): h_p predicts token p + 1
         greedy = outputs.logits.argmax(dim=-1)  # (B, T): the base's choice from each state
         # position p's input pairs h_p with the token fed at p + 1 (the label at p), as at inference
         embedded = self.token_embeddings(labels.clamp(min=0))  # (B, T, e)
         valid = labels[:, 1:] != -100  # (B, T-1): position p's target state h_{p+1} and token exist
-        encoder = self.layer.encoder_memory(outputs.encoder_last_hidden_state, attention_mask)
+        encoder_states = outputs.encoder_last_hidden_state
+        encoder = self.layer.encoder_memory(
+            encoder_states, hf.encoder_output_mask(self.base_model, encoder_states, attention_mask)
+        )
         length = states.shape[1]
         targets, target_tokens = states[:, 1:], greedy[:, 1:]
         scale = targets.float().pow(2).mean(dim=-1, keepdim=True).sqrt().clamp(min=1e-6)  # (B, T-1, 1)

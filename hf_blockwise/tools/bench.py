@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import CompileConfig
@@ -135,6 +136,8 @@ class BenchSetup:
         gad_block_size (`int`, *optional*): tokens per GAD step (default: the drafter's trained block size).
         gad_top_beta (`int`), gad_tolerance (`float`): GAD++'s β and τ (mode `gad_pp`).
         oracle_block_sizes (`tuple[int, ...]`): the block sizes k of the `oracle` mode, one row `oracle_k{k}` each.
+        feature_extractor (*optional*): for models whose encoder reads audio (Whisper...): sources are then arrays
+            of samples at its `sampling_rate`, and word error rate is reported beside BLEU.
     """
 
     base: nn.Module
@@ -150,6 +153,7 @@ class BenchSetup:
     gad_top_beta: int = 3
     gad_tolerance: float = 1.0
     oracle_block_sizes: tuple[int, ...] = DEFAULT_ORACLE_BLOCK_SIZES
+    feature_extractor: Any = None
 
     def int8_copy(self) -> BenchSetup:
         """The same setup with int8 dynamically quantized copies of the base (and of the heads model's base)."""
@@ -192,6 +196,8 @@ def available_modes(setup: BenchSetup, requested: Sequence[str]) -> list[str]:
             print(f"skipping {mode}: CTranslate2 is not installed (pip install -e .[ctranslate2])")
         elif mode in CT2_COMPUTE_TYPES and setup.tokenizer is None:
             print(f"skipping {mode}: CTranslate2 decodes token strings, which needs a tokenizer")
+        elif mode in CT2_COMPUTE_TYPES and setup.feature_extractor is not None:
+            print(f"skipping {mode}: the bench runs CTranslate2 on text inputs only")
         else:
             modes.append(mode)
     if "greedy_int8" not in modes and INT8_MODES & set(modes):
@@ -243,21 +249,27 @@ def usable_batch_sizes(batch_sizes: Sequence[int], num_sentences: int) -> list[i
 
 
 def make_batches(
-    sources: Sequence[str] | Sequence[Sequence[int]],
+    sources: Sequence[str] | Sequence[Sequence[int]] | Sequence[np.ndarray],
     batch_size: int,
     tokenizer: Any,
     pad_token_id: int,
     device: torch.device,
+    feature_extractor: Any = None,
 ) -> list[Batch]:
     """`sources` in consecutive batches of `batch_size` rows, right-padded, with attention masks.
 
     Args:
-        sources: sentences (tokenized with `tokenizer`) or, without a tokenizer, lists of source token ids.
+        sources: sentences (tokenized with `tokenizer`), lists of source token ids (without a tokenizer), or audio
+            samples (with a `feature_extractor`).
 
     Returns:
-        `list[dict]` with `input_ids` and `attention_mask` of shape `(rows, longest source of the batch)`.
+        `list[dict]` with `input_ids` and `attention_mask` of shape `(rows, longest source of the batch)`, or the
+        feature extractor's outputs (e.g. Whisper's `input_features` of shape `(rows, mel bins, frames)`).
     """
     chunks = [list(sources[start : start + batch_size]) for start in range(0, len(sources), batch_size)]
+    if feature_extractor is not None:
+        rate = feature_extractor.sampling_rate
+        return [dict(feature_extractor(chunk, sampling_rate=rate, return_tensors="pt").to(device)) for chunk in chunks]
     if tokenizer is not None:
         return [dict(tokenizer(chunk, return_tensors="pt", padding=True).to(device)) for chunk in chunks]
     batches = []
@@ -320,7 +332,11 @@ def mode_runner(mode: str, setup: BenchSetup) -> Runner:
             base, limit, custom_generate=blockwise_generate, assistant=None, blockwise_compile=True
         )
     if mode == "greedy":
-        return lambda batch, _: base.generate(**batch, do_sample=False, num_beams=1, max_new_tokens=limit)
+        # a dict-style output: Whisper's keeps its decoder prompt in `sequences` (a tensor output drops it), like
+        # the loop's outputs, which are compared with it and which the oracle drafts from
+        return lambda batch, _: base.generate(
+            **batch, do_sample=False, num_beams=1, max_new_tokens=limit, return_dict_in_generate=True
+        )
     if mode == "beam4":
         return lambda batch, _: base.generate(**batch, do_sample=False, num_beams=4, max_new_tokens=limit)
     if mode == "prompt_lookup":
@@ -420,7 +436,7 @@ def run_bench(
     device = next(setup.base.parameters()).device
     results = []
     for batch_size in usable_batch_sizes(batch_sizes, len(sources)):
-        batches = make_batches(sources, batch_size, setup.tokenizer, pad_token_id, device)
+        batches = make_batches(sources, batch_size, setup.tokenizer, pad_token_id, device, setup.feature_extractor)
         for batch in batches:  # an over-long source is a clear error before anything is timed
             hf.check_generate_inputs(setup.base, (), batch)
         active = [mode for mode in modes if batch_size == 1 or mode not in BATCH_ONE_ONLY]
@@ -435,7 +451,8 @@ def run_bench(
         warm_up = compile_modes(runners, batches[0])
         by_mode = measure(
             runners, batches, pad_token_id=pad_token_id, reference={name: reference_mode(name) for name in runners},
-            baseline="greedy", tokenizer=setup.tokenizer, references=references, count_forwards_of=counted,
+            baseline="greedy", tokenizer=setup.tokenizer, references=references,
+            word_error=setup.feature_extractor is not None, count_forwards_of=counted,
             progress=progress, description=f"bench batch {batch_size}",
         )  # fmt: skip
         for mode, seconds in warm_up.items():
@@ -557,6 +574,7 @@ def _table_cells(result: ModeResult) -> dict[str, str]:
         "mean accepted": _format(figures["mean_accepted"], "{:.2f}"),
         "identical¹": f"{result.identical}/{result.compared}" if result.compared else "",
         "BLEU": _format(result.bleu, "{:.2f}"),
+        "WER": _format(None if result.wer is None else 100 * result.wer, "{:.1f}%"),
     }
 
 

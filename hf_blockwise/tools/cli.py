@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 
 import torch
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+from transformers import AutoFeatureExtractor, AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from hf_blockwise import boundary as hf
@@ -21,6 +21,7 @@ from hf_blockwise.modeling.feature_model import FeatureDrafterModel
 from hf_blockwise.modeling.model import BlockwiseHeadsModel
 from hf_blockwise.modeling.quantization import quantize_dynamic_int8
 from hf_blockwise.serialization import atomic_write_text
+from hf_blockwise.tools.audio import read_audio_folder, read_wav
 from hf_blockwise.tools.bench import (
     DEFAULT_MODES,
     DEFAULT_ORACLE_BLOCK_SIZES,
@@ -49,9 +50,9 @@ DEMO_SENTENCES = [
     "A young girl is climbing a rock wall.",
 ]
 
-SHIPPED_MODEL = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pretrained", "multi30k-en-de"
-)
+PRETRAINED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pretrained")
+SHIPPED_MODEL = os.path.join(PRETRAINED, "multi30k-en-de")
+SHIPPED_SPEECH_MODEL = os.path.join(PRETRAINED, "speech-en")
 
 
 def run_demo(
@@ -102,14 +103,68 @@ def run_demo(
         f"model: {model_path} ({name}, k={block_size}, {precision}, {engine}), {torch.get_num_threads()} threads, "
         "batch 1"
     )
+    batches = [dict(tokenizer([sentence], return_tensors="pt")) for sentence in sentences]
+    return _side_by_side(base, assistant, tokenizer, batches, sentences, repeats, max_new_tokens, compile)
+
+
+def run_asr_demo(
+    model_path: str,
+    audio_folder: str | None,
+    repeats: int,
+    threads: int | None,
+    max_new_tokens: int | None,
+    compile: bool,
+) -> int:
+    """Speech recognition, greedy and blockwise side by side, one clip at a time: the shipped speech model (or
+    `model_path`, any speech encoder-decoder) with its feature drafter, on its `clips/` (or `audio_folder`).
+
+    Returns:
+        `int`: 0 when every transcript is identical to greedy's, else 1 (the exit status).
+    """
+    transformers_logging.set_verbosity_error()
+    if threads:
+        torch.set_num_threads(threads)
+    hf.check_local_path(model_path, "--model")
+    base = hf.load_encoder_decoder(model_path, dtype=torch.float32).eval()
+    if hf.encoder_input_name(base) == "input_ids":
+        raise SystemExit(f"{model_path} is a text model: run the demo without --task asr")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    feature_extractor = AutoFeatureExtractor.from_pretrained(model_path)
+    feature_path = _shipped(model_path, FEATURE_DRAFTER_SUBDIR, FEATURE_DRAFTER_CONFIG_NAME)
+    if feature_path is None:
+        raise SystemExit(f"{model_path} ships no {FEATURE_DRAFTER_SUBDIR}/ to draft with")
+    feature = FeatureDrafterModel.from_pretrained(feature_path, base_model=base).eval()
+    examples = read_audio_folder(audio_folder or os.path.join(model_path, "clips"))
+    rate = feature_extractor.sampling_rate
+    batches = [
+        dict(feature_extractor([read_wav(example.path, rate)], sampling_rate=rate, return_tensors="pt"))
+        for example in examples
+    ]
+    labels = [example.path.name + (f" ({example.transcript})" if example.transcript else "") for example in examples]
+    print(
+        f"model: {model_path} (feature drafter, k={feature.feature_config.block_size}, fp32, "
+        f"{'compiled engine' if compile else 'eager'}), {torch.get_num_threads()} threads, batch 1"
+    )
+    return _side_by_side(base, feature.drafter(), tokenizer, batches, labels, repeats, max_new_tokens, compile)
+
+
+def _side_by_side(
+    base, assistant, tokenizer, batches: list[dict], labels: Sequence[str], repeats: int, max_new_tokens: int | None,
+    compile: bool,
+) -> int:  # fmt: skip
+    """Greedy and blockwise decoding of each one-row batch through the measurement harness; prints each pair of
+    outputs under its label, whether they are identical, the mean accepted block and the speedup.
+    `max_new_tokens=None` keeps the model's generation config's limit."""
+    limit = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
     runners = {
-        "greedy": lambda batch, _: base.generate(**batch, do_sample=False, num_beams=1, max_new_tokens=max_new_tokens),
+        "greedy": lambda batch, _: base.generate(
+            **batch, do_sample=False, num_beams=1, return_dict_in_generate=True, **limit
+        ),
         "blockwise": lambda batch, _: base.generate(
-            **batch, custom_generate=blockwise_generate, assistant=assistant, max_new_tokens=max_new_tokens,
-            return_dict_in_generate=True, blockwise_compile=compile,
+            **batch, custom_generate=blockwise_generate, assistant=assistant, return_dict_in_generate=True,
+            blockwise_compile=compile, **limit,
         ),
     }  # fmt: skip
-    batches = [dict(tokenizer([sentence], return_tensors="pt")) for sentence in sentences]
     if compile:
         seconds = compile_modes({"blockwise_compiled": runners["blockwise"]}, batches[0])["blockwise_compiled"]
         print(
@@ -118,22 +173,22 @@ def run_demo(
         )
     results = measure(
         runners, batches, pad_token_id=base.config.pad_token_id, reference="greedy", tokenizer=tokenizer,
-        repeats=repeats, progress=False,
+        repeats=repeats, progress=False, count_forwards_of=[base],
     )  # fmt: skip
     greedy, blockwise = results["greedy"], results["blockwise"]
-    for sentence, greedy_text, text, same in zip(
-        sentences, greedy.texts, blockwise.texts, blockwise.identical_rows, strict=True
+    for label, greedy_text, text, same in zip(
+        labels, greedy.texts, blockwise.texts, blockwise.identical_rows, strict=True
     ):
-        print(f"\nsource:    {sentence}")
-        print(f"greedy:    {greedy_text}")
-        print(f"blockwise: {text}   [identical: {same}]")
-    print(f"\nidentical outputs: {blockwise.identical}/{len(sentences)}")
+        print(f"\nsource:    {label}")
+        print(f"greedy:    {greedy_text.strip()}")
+        print(f"blockwise: {text.strip()}   [identical: {same}]")
+    print(f"\nidentical outputs: {blockwise.identical}/{len(labels)}")
     print(f"mean accepted block: {blockwise.mean_accepted:.2f} tokens per decoder call")
     print(
-        f"time (sum of per-sentence medians over {repeats} runs): greedy {greedy.seconds:.3f}s, "
+        f"time (sum of per-input medians over {repeats} runs): greedy {greedy.seconds:.3f}s, "
         f"blockwise {blockwise.seconds:.3f}s, speedup {blockwise.speedup:.2f}x"
     )
-    return 0 if blockwise.identical == len(sentences) else 1
+    return 0 if blockwise.identical == len(labels) else 1
 
 
 # where a model directory keeps its other drafters, if it ships them
@@ -171,7 +226,11 @@ def load_for_bench(
         heads_model = BlockwiseHeadsModel.from_pretrained(model_path, dtype=torch.float32).eval()
         base = heads_model.base_model
     else:
-        base = AutoModelForSeq2SeqLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        base = hf.load_encoder_decoder(model_path, dtype=torch.float32).eval()
+    # speech encoders read features of audio (Whisper's log-mel frames), made by the checkpoint's feature extractor
+    feature_extractor = (
+        None if hf.encoder_input_name(base) == "input_ids" else AutoFeatureExtractor.from_pretrained(model_path)
+    )
     assistant = None
     if assistant_path is not None and os.path.isfile(os.path.join(assistant_path, NAR_CONFIG_NAME)):
         # a drafter is a small seq2seq model of the same vocabulary; fed no masks, its output at the last
@@ -200,6 +259,7 @@ def load_for_bench(
         base=base, tokenizer=tokenizer, heads_model=heads_model, assistant_model=assistant,
         max_new_tokens=max_new_tokens, iad_max_draft_length=iad_max_draft_length, nar_drafter=nar_drafter,
         feature_model=feature_model, sequential_heads_model=sequential_heads_model,
+        feature_extractor=feature_extractor,
     )  # fmt: skip
 
 
@@ -209,8 +269,18 @@ def _shipped(model_path: str, subdir: str, config_name: str) -> str | None:
     return path if os.path.isfile(os.path.join(path, config_name)) else None
 
 
-def _sources(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
-    """The sentences (and references) the bench decodes, from `--source-file` or the demo's examples."""
+def _sources(args: argparse.Namespace, setup: BenchSetup) -> tuple[list, list[str] | None]:
+    """What the bench decodes, with references when there are some: the audio of `--audio-folder` (speech models),
+    the sentences of `--source-file`, or the demo's examples."""
+    if (setup.feature_extractor is None) != (args.audio_folder is None):
+        needs = "--audio-folder" if args.audio_folder is None else "--source-file (text)"
+        raise SystemExit(f"the encoder of {args.model} reads {hf.encoder_input_name(setup.base)}: pass {needs}")
+    if args.audio_folder:
+        examples = read_audio_folder(args.audio_folder)[: args.sentences]
+        rate = setup.feature_extractor.sampling_rate
+        sources = [read_wav(example.path, rate) for example in examples]
+        transcripts = [example.transcript for example in examples]
+        return sources, None if None in transcripts else transcripts
     if args.source_file:
         sources = read_lines(args.source_file)
         references = read_lines(args.reference_file) if args.reference_file else None
@@ -238,7 +308,6 @@ def _bench_setup(args: argparse.Namespace) -> tuple[BenchSetup, list, list[str] 
         setup, sources = _model_config_setup(args)
         references = None
     else:
-        sources, references = _sources(args)
         setup = load_for_bench(
             args.model,
             args.assistant_model,
@@ -248,6 +317,11 @@ def _bench_setup(args: argparse.Namespace) -> tuple[BenchSetup, list, list[str] 
             args.feature_drafter,
             args.sequential_heads,
         )
+        sources, references = _sources(args, setup)
+        if args.max_new_tokens is None and setup.feature_extractor is not None:
+            # speech decoders hold few positions (Whisper's 448 including its prompt): the model's own limit
+            limit = setup.base.generation_config.max_new_tokens or setup.max_new_tokens
+            setup = dataclasses.replace(setup, max_new_tokens=limit)
     oracle_block_sizes = args.oracle_block_sizes or (
         MODEL_CONFIG_ORACLE_BLOCK_SIZES if args.model_config else DEFAULT_ORACLE_BLOCK_SIZES
     )
@@ -291,6 +365,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         "gad_tolerance": args.gad_tolerance,
         "oracle_block_sizes": list(setup.oracle_block_sizes),
         "source_file": args.source_file,
+        "audio_folder": args.audio_folder,
         "sentences": len(sources),
         "threads": torch.get_num_threads(),
         "batch_sizes": sorted({result.batch_size for result in results}),
@@ -310,7 +385,7 @@ def _report_header(args: argparse.Namespace, settings: dict) -> str:
         sources = f"{settings['sentences']} random sources of {MODEL_CONFIG_SOURCE_LENGTH} tokens"
     else:
         model = os.path.basename(os.path.normpath(args.model))
-        sources = f"{settings['sentences']} sentences"
+        sources = f"{settings['sentences']} " + ("utterances" if args.audio_folder else "sentences")
     return (
         f"# hf-blockwise bench: {model}, {sources}, {settings['max_new_tokens']} new tokens at most, "
         f"{settings['threads']} threads, {settings['device']}"
@@ -361,6 +436,10 @@ def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         help="small seq2seq model for transformers' assisted generation (a NAR drafter directory works too)",
     )
     bench.add_argument("--source-file", default=None, help="one source per line (.gz allowed); default: demo")
+    bench.add_argument(
+        "--audio-folder", default=None, help="speech models: a folder of 16-bit .wav files, with transcripts in its "
+        "metadata.csv (the audiofolder layout: file_name, transcription) for WER and BLEU"
+    )  # fmt: skip
     bench.add_argument("--reference-file", default=None, help="references for BLEU, line by line")
     bench.add_argument(
         "--sentences", type=int, default=None, help=f"use the first N sources (--model-config: N random sources, "
@@ -433,7 +512,13 @@ def _check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Names
         parser.error("--oracle-block-sizes must be >= 2")
     if args.tiny_model_config and not args.model_config:
         parser.error("--tiny-model-config needs --model-config")
-    if args.model_config and (args.source_file or args.reference_file or args.assistant_model or args.nar_drafter):
+    if args.audio_folder and (args.source_file or args.reference_file):
+        parser.error("--audio-folder brings its own sources and transcripts: no --source-file or --reference-file")
+    if args.audio_folder and args.cost_curve:
+        parser.error("--cost-curve times text sources; it does not take --audio-folder")
+    if args.model_config and (
+        args.source_file or args.reference_file or args.audio_folder or args.assistant_model or args.nar_drafter
+    ):
         parser.error("--model-config decodes random source ids with a random model: it takes no files or drafters")
 
 
@@ -444,7 +529,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="translate a few sentences, greedy and blockwise side by side")
     demo.add_argument("--model", default=SHIPPED_MODEL, help="directory with base model, heads and tokenizer")
     demo.add_argument("--repeats", type=int, default=5, help="timing runs per sentence (median is reported)")
-    demo.add_argument("--max-new-tokens", type=int, default=128)
+    demo.add_argument(
+        "--max-new-tokens", type=int, default=None, help="default: 128 (translation), the model's own (asr)"
+    )
     demo.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     demo.add_argument("--int8", action="store_true", help="quantize the base to int8 first (CPU; both modes)")
     demo.add_argument(
@@ -452,6 +539,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="best: the shipped feature drafter if the model has one, else its proposal heads",
     )  # fmt: skip
     demo.add_argument("--no-compile", action="store_true", help="decode blockwise eagerly, without the compiled engine")
+    demo.add_argument(
+        "--task", choices=("translation", "asr"), default="translation",
+        help="asr: the shipped speech model transcribes its clips (or --audio-folder) with its feature drafter",
+    )  # fmt: skip
+    demo.add_argument("--audio-folder", default=None, help="--task asr: 16-bit .wav files (and metadata.csv)")
     demo.add_argument("sentences", nargs="*", help="English sentences to translate (default: built-in examples)")
     bench = commands.add_parser("bench", help="every decoding mode side by side, measured against greedy")
     _add_bench_arguments(bench)
@@ -459,14 +551,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         _check_bench_arguments(bench, args)
         return run_bench_command(args)
+    if args.command == "demo" and args.task == "asr":
+        if args.sentences or args.int8 or args.drafter != "best":
+            demo.error("--task asr takes no sentences, --int8 or --drafter (it drafts with the feature drafter)")
+        model = SHIPPED_SPEECH_MODEL if args.model == SHIPPED_MODEL else args.model
+        return run_asr_demo(
+            model, args.audio_folder, args.repeats, args.threads, args.max_new_tokens, compile=not args.no_compile
+        )
     if args.command == "demo":
+        if args.audio_folder:
+            demo.error("--audio-folder needs --task asr")
         sentences = args.sentences or DEMO_SENTENCES
         return run_demo(
             args.model,
             sentences,
             args.repeats,
             args.threads,
-            args.max_new_tokens,
+            args.max_new_tokens or 128,
             args.int8,
             args.drafter,
             compile=not args.no_compile,

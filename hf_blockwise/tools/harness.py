@@ -17,8 +17,8 @@ How [`measure`] runs:
   mode (transformers' generation modes report none themselves), plus the compiled calls of its engine, which run
   no hooks;
 - accepted blocks come from `output.decoding_stats` where the output has them (blockwise decoding);
-- each mode's rows are compared with its reference mode's rows of the same batch, and BLEU is computed against
-  `references` when a tokenizer and references are given.
+- each mode's rows are compared with its reference mode's rows of the same batch, and BLEU (and for speech, word
+  error rate) is computed against `references` when a tokenizer and references are given.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from hf_blockwise.generation.engine import engine_of
+from hf_blockwise.tools.audio import word_error_rate
 
 Batch = dict[str, torch.Tensor]
 # A runner decodes one batch; it also gets the outputs of the modes that ran before it on the same batch (by
@@ -83,6 +84,7 @@ class ModeResult:
         accepted_sum (`float`), accepted_steps (`int`): tokens gained and (row, step) pairs still decoding, from
             `decoding_stats`.
         bleu (`float`, *optional*): sacreBLEU against the references.
+        wer (`float`, *optional*): word error rate against the references (speech recognition; a fraction).
         speedup (`float`, *optional*): the baseline mode's seconds over this mode's.
         speedup_ceiling (`float`, *optional*): from the decoder cost curve, where known (set by the bench).
         texts (`list[str]`): decoded outputs. identical_rows (`list[bool]`): per row, whether it matched its
@@ -100,6 +102,7 @@ class ModeResult:
     accepted_sum: float = 0.0
     accepted_steps: int = 0
     bleu: float | None = None
+    wer: float | None = None
     speedup: float | None = None
     speedup_ceiling: float | None = None
     compile_seconds: float | None = None
@@ -228,6 +231,7 @@ def measure(
     baseline: str | None = None,
     tokenizer: Any = None,
     references: Sequence[str] | None = None,
+    word_error: bool = False,
     count_forwards_of: Sequence[nn.Module] = (),
     warmup: bool = True,
     repeats: int = 1,
@@ -250,6 +254,7 @@ def measure(
         baseline (`str`, *optional*): the mode speedups are relative to (default: `reference` when it is a `str`).
         tokenizer (*optional*): decodes texts (for words/s and BLEU).
         references (`list[str]`, *optional*): one reference text per row of all batches, for BLEU.
+        word_error (`bool`): also score word error rate against `references` (speech recognition).
         count_forwards_of (`list[nn.Module]`): models whose decoder calls are counted (summed) for every mode.
         warmup (`bool`): decode the first batch in every mode once before timing.
         repeats (`int`): timings per batch and mode; the median counts (outputs and decoder calls: the first run).
@@ -283,11 +288,13 @@ def measure(
     finally:
         for counter in counters:
             counter.close()
-    _score(results.values(), results.get(baseline), references)
+    _score(results.values(), results.get(baseline), references, word_error)
     return results
 
 
-def _score(results: Sequence[ModeResult], baseline: ModeResult | None, references: Sequence[str] | None) -> None:
+def _score(
+    results: Sequence[ModeResult], baseline: ModeResult | None, references: Sequence[str] | None, word_error: bool
+) -> None:
     for result in results:
         if baseline is not None and result.seconds:
             result.speedup = baseline.seconds / result.seconds
@@ -295,3 +302,5 @@ def _score(results: Sequence[ModeResult], baseline: ModeResult | None, reference
             if len(references) != len(result.texts):
                 raise ValueError(f"{len(result.texts)} outputs but {len(references)} references")
             result.bleu = sacrebleu.corpus_bleu(result.texts, [list(references)], force=True).score
+            if word_error:
+                result.wer = word_error_rate(references, result.texts)
