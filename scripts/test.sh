@@ -7,4 +7,4 @@ python3 -m pip install -q "torch==2.13.0"
 python3 -m pip install -q -e ".[dev,ctranslate2]"
 python3 -m ruff check .
 python3 -m ruff format --check .
-python3 -m pytest -q -p no:cacheprovider
+python3 -m pytest -q -p no:cacheprovider -n 2  # two workers: conftest gives each one torch thread

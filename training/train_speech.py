@@ -39,9 +39,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from tqdm.auto import tqdm
 from transformers import (
@@ -115,6 +117,10 @@ class TrainSpeechArguments:
     encoder_layers: int = field(default=4)
     decoder_layers: int = field(default=4)
     epochs: float = field(default=3.0)
+    ctc_weight: float = field(
+        default=0.3, metadata={"help": "weight of an auxiliary CTC loss on the encoder output (0: none)"}
+    )
+    init_from: str | None = field(default=None, metadata={"help": "start from this checkpoint's model weights"})
     max_steps: int = field(default=-1, metadata={"help": "stop early (smoke tests)"})
     batch_size: int = field(default=32)
     lr: float = field(default=1.5e-3, metadata={"help": "peak learning rate (warmup, then cosine decay)"})
@@ -239,6 +245,34 @@ class SpeechCollator:
         return {"input_features": features, "labels": labels}
 
 
+class CTCAuxiliaryTrainer(Trainer):
+    """`Trainer` adding `ctc_weight` × a CTC loss of a linear head over the encoder output (hybrid CTC/attention,
+    Watanabe et al. 2017): it teaches the encoder where the words are, so that the decoder's cross-attention
+    aligns in hundreds of steps rather than thousands. The head (`model.ctc_head`, one output per token plus a blank)
+    is deleted before the model is saved for use."""
+
+    def __init__(self, *args: Any, ctc_weight: float, ignored_ids: Sequence[int], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ctc_weight = ctc_weight
+        self.ignored_ids = torch.tensor(list(ignored_ids))
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs)
+        loss = outputs.loss
+        if self.ctc_weight:
+            labels = inputs["labels"]  # (B, T): <|notimestamps|>, text, <|endoftext|>, -100 padding
+            text = (labels >= 0) & ~torch.isin(labels, self.ignored_ids.to(labels.device))
+            targets = labels[text]  # (sum of text lengths,)
+            log_probs = model.ctc_head(outputs.encoder_last_hidden_state).log_softmax(-1).float()  # (B, S, V + 1)
+            input_lengths = torch.full((labels.shape[0],), log_probs.shape[1], dtype=torch.long)
+            ctc = torch.nn.functional.ctc_loss(
+                log_probs.transpose(0, 1), targets, input_lengths, text.sum(dim=1),
+                blank=log_probs.shape[-1] - 1, zero_infinity=True,
+            )  # fmt: skip
+            loss = loss + self.ctc_weight * ctc
+        return (loss, outputs) if return_outputs else loss
+
+
 def heldout_audio(split: SpeechSplit, seed: int) -> list[np.ndarray]:
     """The held-out utterances with noise at 20 dB SNR, the same on every run."""
     rng = np.random.default_rng(seed)
@@ -341,6 +375,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     processor = WhisperProcessor(feature_extractor=feature_extractor, tokenizer=tokenizer)
     model = build_model(args, tokenizer)
     print(f"Whisper: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, vocab {len(tokenizer)}")
+    if args.init_from:
+        missing, unexpected = model.load_state_dict(load_file(Path(args.init_from) / "model.safetensors"), strict=False)
+        if unexpected or [name for name in missing if "proj_out" not in name]:  # the tied output is not stored
+            raise ValueError(f"{args.init_from} does not fit this model: missing {missing}, unexpected {unexpected}")
+    model.ctc_head = torch.nn.Linear(args.d_model, len(tokenizer) + 1)  # + the CTC blank; dropped before saving
 
     training_args = TrainingArguments(
         output_dir=str(out / "checkpoints"), per_device_train_batch_size=args.batch_size,
@@ -349,12 +388,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         logging_steps=50, save_steps=args.save_steps, save_total_limit=2, report_to=[], seed=args.seed,
         dataloader_num_workers=0, remove_unused_columns=False, use_cpu=not torch.cuda.is_available(),
     )  # fmt: skip
-    trainer = Trainer(
+    special = [tokenizer.convert_tokens_to_ids(token) for token in ("<|notimestamps|>", "<|endoftext|>")]
+    trainer = CTCAuxiliaryTrainer(
         model=model, args=training_args, train_dataset=train,
-        data_collator=SpeechCollator(feature_extractor, tokenizer, seed=args.seed),
+        data_collator=SpeechCollator(feature_extractor, tokenizer, seed=args.seed), ctc_weight=args.ctc_weight,
+        ignored_ids=special,
     )  # fmt: skip
     trainer.train(resume_from_checkpoint=get_last_checkpoint(training_args.output_dir))
     model = trainer.model.eval()
+    del model.ctc_head
     model.save_pretrained(out / "model")
     processor.save_pretrained(out / "model")
 
