@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from test_notebooks import run_notebook, text_output
-from transformers import WhisperFeatureExtractor, WhisperProcessor
+from transformers import TrainingArguments, WhisperFeatureExtractor, WhisperProcessor
 from zoo_media import WHISPER_SAMPLING_RATE, build_media_model, whisper_feature_extractor, whisper_tokenizer
 
 from hf_blockwise import boundary as hf
@@ -148,9 +148,17 @@ def test_speech_recipe_pieces_train_a_step(tmp_path) -> None:
     notimestamps = tokenizer.convert_tokens_to_ids("<|notimestamps|>")
     assert batch["labels"][0, 0] == notimestamps and batch["labels"][0, -1] == -100  # row 0 is the shorter text
     assert batch["labels"][1, -1] == tokenizer.eos_token_id
-    loss = model(**batch).loss
+    characters = recipe.CTC_ALPHABET
+    assert batch["ctc_lengths"].tolist() == [len(texts[0]), len(texts[1])]
+    assert "".join(characters[i] for i in batch["ctc_targets"][: len(texts[0])]) == texts[0]
+    model.ctc_head = torch.nn.Linear(64, len(characters) + 1)
+    arguments = TrainingArguments(tmp_path / "t", report_to=[])
+    trainer = recipe.CTCAuxiliaryTrainer(model=model, args=arguments, ctc_weight=1.0)
+    model.eval()  # no SpecAugment, which masks the features in place
+    plain = model(input_features=batch["input_features"], labels=batch["labels"]).loss
+    loss = trainer.compute_loss(model, dict(batch))
     loss.backward()
-    assert torch.isfinite(loss)
+    assert torch.isfinite(loss) and loss > plain  # the CTC term is added
 
 
 def test_whisper_notebook_runs(tiny_whisper_dir, tmp_path) -> None:

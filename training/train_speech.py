@@ -118,9 +118,12 @@ class TrainSpeechArguments:
     decoder_layers: int = field(default=4)
     epochs: float = field(default=3.0)
     ctc_weight: float = field(
-        default=0.3, metadata={"help": "weight of an auxiliary CTC loss on the encoder output (0: none)"}
+        default=1.0, metadata={"help": "weight of an auxiliary character CTC loss on the encoder output (0: none)"}
     )
     init_from: str | None = field(default=None, metadata={"help": "start from this checkpoint's model weights"})
+    noisy_share: float = field(default=0.7, metadata={"help": "share of training utterances with noise added"})
+    max_snr_db: float = field(default=40.0, metadata={"help": "noise is added at 10 dB to this SNR"})
+    spec_augment: bool = field(default=True, metadata={"help": "Whisper's SpecAugment time and feature masks"})
     max_steps: int = field(default=-1, metadata={"help": "stop early (smoke tests)"})
     batch_size: int = field(default=32)
     lr: float = field(default=1.5e-3, metadata={"help": "peak learning rate (warmup, then cosine decay)"})
@@ -196,7 +199,7 @@ def build_model(args: TrainSpeechArguments, tokenizer: WhisperTokenizer) -> Whis
         max_source_positions=args.window_seconds * SAMPLING_RATE // args.hop_length // 2, max_target_positions=96,
         pad_token_id=ids["eot"], bos_token_id=ids["eot"], eos_token_id=ids["eot"],
         decoder_start_token_id=ids["sot"], suppress_tokens=None, begin_suppress_tokens=None,
-        apply_spec_augment=True, mask_time_prob=0.05, mask_time_length=5, mask_feature_prob=0.05,
+        apply_spec_augment=args.spec_augment, mask_time_prob=0.05, mask_time_length=5, mask_feature_prob=0.05,
         mask_feature_length=8, dropout=0.1, tie_word_embeddings=True,
     )  # fmt: skip
     model = WhisperForConditionalGeneration(config)
@@ -213,23 +216,29 @@ class SpeechCollator:
     """Noisy features and labels for a batch of (samples, text).
 
     Labels are `<|notimestamps|>`, the text's tokens and `<|endoftext|>` (the model prepends the decoder start
-    `<|startoftranscript|>` itself when it shifts labels right), padded with -100.
+    `<|startoftranscript|>` itself when it shifts labels right), padded with -100; with `ctc`, also the texts'
+    characters (`ctc_targets`, concatenated) and their lengths (`ctc_lengths`).
     """
 
     feature_extractor: WhisperFeatureExtractor
     tokenizer: WhisperTokenizer
     noise: bool = True
     seed: int = 0
+    max_snr_db: float = 40.0
+    noisy_share: float = 0.7
+    ctc: bool = True  # also the transcripts' characters for `CTCAuxiliaryTrainer`
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.seed)
         self.prefix = [self.tokenizer.convert_tokens_to_ids("<|notimestamps|>")]
 
     def audio(self, samples: np.ndarray) -> np.ndarray:
-        """A random leading silence (≤ 0.5 s) and noise at 10-40 dB SNR (70% of utterances)."""
+        """A random leading silence (≤ 0.5 s) and noise at 10 dB to `max_snr_db` SNR (`noisy_share` of them)."""
         silence = np.zeros(int(self.rng.integers(0, SAMPLING_RATE // 2)), dtype=np.float32)
         samples = np.concatenate([silence, samples])
-        return add_noise(samples, float(self.rng.uniform(10, 40)), self.rng) if self.rng.random() < 0.7 else samples
+        if self.rng.random() >= self.noisy_share:
+            return samples
+        return add_noise(samples, float(self.rng.uniform(10, self.max_snr_db)), self.rng)
 
     def __call__(self, batch: list[tuple[np.ndarray, str]]) -> dict[str, torch.Tensor]:
         audio = [self.audio(samples) if self.noise else samples for samples, _ in batch]
@@ -242,32 +251,43 @@ class SpeechCollator:
         labels = torch.full((len(batch), width), -100, dtype=torch.long)
         for row, tokens in enumerate(token_lists):
             labels[row, : len(tokens)] = torch.tensor(tokens)
-        return {"input_features": features, "labels": labels}
+        if not self.ctc:
+            return {"input_features": features, "labels": labels}
+        ctc_targets, ctc_lengths = ctc_character_targets([text for _, text in batch])
+        return {"input_features": features, "labels": labels, "ctc_targets": ctc_targets, "ctc_lengths": ctc_lengths}
+
+
+CTC_ALPHABET = " abcdefghijklmnopqrstuvwxyz'"  # the characters of normalized transcripts; the blank comes after
+
+
+def ctc_character_targets(texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Character ids of each text, concatenated, and each text's length (what `ctc_loss` takes)."""
+    ids = [[CTC_ALPHABET.index(character) for character in text] for text in texts]
+    return torch.tensor([i for row in ids for i in row], dtype=torch.long), torch.tensor([len(row) for row in ids])
 
 
 class CTCAuxiliaryTrainer(Trainer):
-    """`Trainer` adding `ctc_weight` × a CTC loss of a linear head over the encoder output (hybrid CTC/attention,
-    Watanabe et al. 2017): it teaches the encoder where the words are, so that the decoder's cross-attention
-    aligns in hundreds of steps rather than thousands. The head (`model.ctc_head`, one output per token plus a blank)
-    is deleted before the model is saved for use."""
+    """`Trainer` adding `ctc_weight` × a character CTC loss of a linear head over the encoder output (hybrid
+    CTC/attention, Watanabe et al. 2017): it teaches the encoder where the sounds are, which the attention loss alone
+    learns slowly (the decoder first learns the text and ignores the audio). The head (`model.ctc_head`, one output
+    per character of `CTC_ALPHABET` plus a blank) is deleted before the model is saved for use. Batches carry the
+    transcripts' characters as `ctc_targets` / `ctc_lengths` (`SpeechCollator`), removed before the model's forward.
+    """
 
-    def __init__(self, *args: Any, ctc_weight: float, ignored_ids: Sequence[int], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, ctc_weight: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.ctc_weight = ctc_weight
-        self.ignored_ids = torch.tensor(list(ignored_ids))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        targets, target_lengths = inputs.pop("ctc_targets"), inputs.pop("ctc_lengths")
         outputs = model(**inputs)
         loss = outputs.loss
         if self.ctc_weight:
-            labels = inputs["labels"]  # (B, T): <|notimestamps|>, text, <|endoftext|>, -100 padding
-            text = (labels >= 0) & ~torch.isin(labels, self.ignored_ids.to(labels.device))
-            targets = labels[text]  # (sum of text lengths,)
-            log_probs = model.ctc_head(outputs.encoder_last_hidden_state).log_softmax(-1).float()  # (B, S, V + 1)
-            input_lengths = torch.full((labels.shape[0],), log_probs.shape[1], dtype=torch.long)
+            log_probs = model.ctc_head(outputs.encoder_last_hidden_state).log_softmax(-1).float()  # (B, S, C + 1)
+            input_lengths = torch.full((target_lengths.shape[0],), log_probs.shape[1], dtype=torch.long)
             ctc = torch.nn.functional.ctc_loss(
-                log_probs.transpose(0, 1), targets, input_lengths, text.sum(dim=1),
-                blank=log_probs.shape[-1] - 1, zero_infinity=True,
+                log_probs.transpose(0, 1), targets, input_lengths, target_lengths, blank=len(CTC_ALPHABET),
+                zero_infinity=True,
             )  # fmt: skip
             loss = loss + self.ctc_weight * ctc
         return (loss, outputs) if return_outputs else loss
@@ -379,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         missing, unexpected = model.load_state_dict(load_file(Path(args.init_from) / "model.safetensors"), strict=False)
         if unexpected or [name for name in missing if "proj_out" not in name]:  # the tied output is not stored
             raise ValueError(f"{args.init_from} does not fit this model: missing {missing}, unexpected {unexpected}")
-    model.ctc_head = torch.nn.Linear(args.d_model, len(tokenizer) + 1)  # + the CTC blank; dropped before saving
+    model.ctc_head = torch.nn.Linear(args.d_model, len(CTC_ALPHABET) + 1)  # + the CTC blank; dropped before saving
 
     training_args = TrainingArguments(
         output_dir=str(out / "checkpoints"), per_device_train_batch_size=args.batch_size,
@@ -388,12 +408,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         logging_steps=50, save_steps=args.save_steps, save_total_limit=2, report_to=[], seed=args.seed,
         dataloader_num_workers=0, remove_unused_columns=False, use_cpu=not torch.cuda.is_available(),
     )  # fmt: skip
-    special = [tokenizer.convert_tokens_to_ids(token) for token in ("<|notimestamps|>", "<|endoftext|>")]
+    collator = SpeechCollator(
+        feature_extractor, tokenizer, seed=args.seed, max_snr_db=args.max_snr_db, noisy_share=args.noisy_share
+    )
     trainer = CTCAuxiliaryTrainer(
-        model=model, args=training_args, train_dataset=train,
-        data_collator=SpeechCollator(feature_extractor, tokenizer, seed=args.seed), ctc_weight=args.ctc_weight,
-        ignored_ids=special,
-    )  # fmt: skip
+        model=model, args=training_args, train_dataset=train, data_collator=collator, ctc_weight=args.ctc_weight
+    )
     trainer.train(resume_from_checkpoint=get_last_checkpoint(training_args.output_dir))
     model = trainer.model.eval()
     del model.ctc_head

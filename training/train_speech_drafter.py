@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         logging_steps=50, save_steps=200, save_total_limit=2, report_to=[], remove_unused_columns=False,
         use_cpu=not torch.cuda.is_available(), seed=0,
     )  # fmt: skip
-    collator = SpeechCollator(processor.feature_extractor, processor.tokenizer, seed=1)
+    collator = SpeechCollator(processor.feature_extractor, processor.tokenizer, seed=1, ctc=False)
     trainer = FeatureDrafterTrainer(model=model, args=training_args, train_dataset=train, data_collator=collator)
     trainer.train(resume_from_checkpoint=get_last_checkpoint(args.out) if os.path.isdir(args.out) else None)
     model.eval()
