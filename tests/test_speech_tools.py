@@ -110,6 +110,9 @@ def test_asr_demo_prints_identical_transcripts(tiny_whisper_dir, capsys) -> None
     assert "identical outputs: 4/4" in output and "clip2.wav (a b c 2)" in output
     with pytest.raises(SystemExit):
         main(["demo", "--task", "asr", "--int8"])
+    with pytest.raises(SystemExit):  # no model at that path: a usage error naming it, not a traceback
+        main(["demo", "--task", "asr", "--model", str(tiny_whisper_dir / "missing")])
+    assert "no speech model at" in capsys.readouterr().err
 
 
 def test_bench_reads_an_audio_folder_and_reports_wer(tiny_whisper_dir, tmp_path, capsys) -> None:

@@ -555,6 +555,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.sentences or args.int8 or args.drafter != "best":
             demo.error("--task asr takes no sentences, --int8 or --drafter (it drafts with the feature drafter)")
         model = SHIPPED_SPEECH_MODEL if args.model == SHIPPED_MODEL else args.model
+        if not os.path.isdir(model):
+            demo.error(
+                f"no speech model at {model}: the speech recipe's model does not transcribe yet and is not shipped "
+                "(training/README.md); pass --model DIR with a speech encoder-decoder, its processor and a "
+                "feature-drafter/ subfolder, and --audio-folder DIR"
+            )
         return run_asr_demo(
             model, args.audio_folder, args.repeats, args.threads, args.max_new_tokens, compile=not args.no_compile
         )
