@@ -115,8 +115,8 @@ def run_asr_demo(
     max_new_tokens: int | None,
     compile: bool,
 ) -> int:
-    """Speech recognition, greedy and blockwise side by side, one clip at a time: the shipped speech model (or
-    `model_path`, any speech encoder-decoder) with its feature drafter, on its `clips/` (or `audio_folder`).
+    """Speech recognition, greedy and blockwise side by side, one clip at a time: the speech encoder-decoder at
+    `model_path` (saved with its processor) with its `feature-drafter/`, on its `clips/` or on `audio_folder`.
 
     Returns:
         `int`: 0 when every transcript is identical to greedy's, else 1 (the exit status).
@@ -541,7 +541,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--no-compile", action="store_true", help="decode blockwise eagerly, without the compiled engine")
     demo.add_argument(
         "--task", choices=("translation", "asr"), default="translation",
-        help="asr: the shipped speech model transcribes its clips (or --audio-folder) with its feature drafter",
+        help="asr: a speech model (--model DIR with its processor and feature-drafter/) transcribes --audio-folder "
+        "(default: DIR/clips) greedy and with its feature drafter",
     )  # fmt: skip
     demo.add_argument("--audio-folder", default=None, help="--task asr: 16-bit .wav files (and metadata.csv)")
     demo.add_argument("sentences", nargs="*", help="English sentences to translate (default: built-in examples)")
