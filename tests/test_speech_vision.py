@@ -28,6 +28,7 @@ from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, blockwise_generat
 from hf_blockwise import boundary as hf
 from hf_blockwise.modeling.config import FeatureDrafterConfig
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
+from hf_blockwise.tools.harness import DecoderCallCounter
 
 # use_cache: Pix2Struct's text config defaults to False, which blockwise decoding refuses (tested below)
 GREEDY = {"do_sample": False, "num_beams": 1, "use_cache": True}
@@ -75,12 +76,12 @@ class _ReplayingOracle(OracleDrafter):
 
 def _counting_calls(model, call, *args, **kwargs):
     """`call(*args, **kwargs)`'s result, and how many forwards of `model`'s decoder it made."""
-    calls = []
-    handle = model.get_decoder().register_forward_hook(lambda *hook_args: calls.append(1))
+    counter = DecoderCallCounter(model)
+    counter.reset()  # compiled calls the model's engine made before are not this call's
     try:
-        return call(*args, **kwargs), len(calls)
+        return call(*args, **kwargs), counter.calls
     finally:
-        handle.remove()
+        counter.close()
 
 
 def _feature_drafter(model):

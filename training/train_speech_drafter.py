@@ -33,12 +33,13 @@ import torch
 from transformers import WhisperForConditionalGeneration, WhisperProcessor
 from transformers.trainer_utils import get_last_checkpoint
 
-from hf_blockwise import blockwise_generate
+from hf_blockwise import blockwise_generate, check_decoder
 from hf_blockwise.modeling.config import FeatureDrafterConfig
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
 from hf_blockwise.modeling.shortlist import frequent_tokens
 from hf_blockwise.serialization import atomic_write_text
 from hf_blockwise.tools.arguments import parse_dataclass_args
+from hf_blockwise.tools.harness import DecoderCallCounter
 from hf_blockwise.training.feature_config import FeatureDrafterTrainingArguments
 from hf_blockwise.training.feature_trainer import FeatureDrafterTrainer
 
@@ -69,22 +70,22 @@ class TrainSpeechDrafterArguments:
 def check_exact(model: FeatureDrafterModel, processor: WhisperProcessor, audio: Sequence) -> dict[str, float]:
     """Greedy and drafted transcripts of `audio` at batch 1: how many are identical and tokens per decoder call."""
     base = model.base_model
+    check_decoder(base)  # the loop's once-per-model probe makes decoder calls of its own: not counted below
     identical, tokens, calls = 0, 0, 0
-    counter = {"calls": 0}
-    handle = base.get_decoder().register_forward_hook(lambda *_: counter.__setitem__("calls", counter["calls"] + 1))
+    counter = DecoderCallCounter(base)
     try:
         for samples in audio:
             features = processor(audio=samples, sampling_rate=SAMPLING_RATE, return_tensors="pt").input_features
             greedy = base.generate(input_features=features)
-            counter["calls"] = 0
+            counter.reset()
             drafted = base.generate(
                 input_features=features, custom_generate=blockwise_generate, assistant=model.drafter()
             )
             identical += int(torch.equal(greedy, drafted))
             tokens += greedy.shape[1]  # Whisper returns only the new tokens (the decoder prompt is dropped)
-            calls += counter["calls"]
+            calls += counter.calls
     finally:
-        handle.remove()
+        counter.close()
     return {"identical": identical, "utterances": len(audio), "tokens_per_call": round(tokens / max(calls, 1), 3)}
 
 

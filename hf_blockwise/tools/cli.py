@@ -32,6 +32,7 @@ from hf_blockwise.tools.bench import (
     compile_modes,
     decoder_cost_curve,
     is_known_mode,
+    make_batches,
     plot_cost_curve,
     read_lines,
     run_bench,
@@ -135,11 +136,8 @@ def run_asr_demo(
         raise SystemExit(f"{model_path} ships no {FEATURE_DRAFTER_SUBDIR}/ to draft with")
     feature = FeatureDrafterModel.from_pretrained(feature_path, base_model=base).eval()
     examples = read_audio_folder(audio_folder or os.path.join(model_path, "clips"))
-    rate = feature_extractor.sampling_rate
-    batches = [
-        dict(feature_extractor([read_wav(example.path, rate)], sampling_rate=rate, return_tensors="pt"))
-        for example in examples
-    ]
+    audio = [read_wav(example.path, feature_extractor.sampling_rate) for example in examples]
+    batches = make_batches(audio, 1, tokenizer, base.config.pad_token_id, base.device, feature_extractor)
     labels = [example.path.name + (f" ({example.transcript})" if example.transcript else "") for example in examples]
     print(
         f"model: {model_path} (feature drafter, k={feature.feature_config.block_size}, fp32, "
