@@ -26,6 +26,7 @@ from hf_blockwise.modeling.heads import BlockwiseHeads, SequentialHeads
 from hf_blockwise.modeling.model import BlockwiseHeadsModel, BlockwiseHeadsOutput
 from hf_blockwise.modeling.quantization import quantize_dynamic_int8
 from hf_blockwise.modeling.shortlist import frequent_tokens
+from hf_blockwise.tools.corpus import CorpusReport, generate_corpus
 from hf_blockwise.tools.evaluation import Comparison, compare_to_greedy
 
 __version__ = "0.1.0"
@@ -38,6 +39,7 @@ __all__ = [
     "BlockwiseHeadsOutput",
     "Comparison",
     "CompositeDrafter",
+    "CorpusReport",
     "DecodingStats",
     "DistanceAcceptance",
     "Divergence",
@@ -66,5 +68,6 @@ __all__ = [
     "compare_to_greedy",
     "first_divergence",
     "frequent_tokens",
+    "generate_corpus",
     "quantize_dynamic_int8",
 ]

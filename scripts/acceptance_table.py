@@ -26,7 +26,7 @@ import torch
 from hf_blockwise.serialization import atomic_write_text
 from hf_blockwise.tools.arguments import parse_dataclass_args
 from hf_blockwise.tools.bench import run_bench
-from hf_blockwise.tools.cli import load_for_bench
+from hf_blockwise.tools.loading import load_for_bench
 
 DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

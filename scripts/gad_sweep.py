@@ -25,7 +25,7 @@ from transformers.utils import logging as transformers_logging
 from hf_blockwise.serialization import atomic_write, atomic_write_text
 from hf_blockwise.tools.arguments import parse_dataclass_args
 from hf_blockwise.tools.bench import ModeResult, read_lines, run_bench
-from hf_blockwise.tools.cli import load_for_bench
+from hf_blockwise.tools.loading import load_for_bench
 
 
 @dataclass

@@ -15,10 +15,10 @@ import torch
 from conftest import ARCHITECTURES, OracleDrafter, build_model, random_batch
 
 from hf_blockwise import blockwise_generate, first_divergence
+from hf_blockwise import engine as engine_module
 from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts, NoDrafter
 from hf_blockwise.drafters.feature import FeatureDrafter
-from hf_blockwise.generation import engine as engine_module
-from hf_blockwise.generation.engine import CompileOptions, compiled_decoder
+from hf_blockwise.engine import CompileOptions, compiled_decoder
 from hf_blockwise.modeling.config import FeatureDrafterConfig
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
 

@@ -13,6 +13,9 @@ from hf_blockwise import (
     BlockwiseConfig,
     BlockwiseHeadsModel,
     DistanceAcceptance,
+    Drafter,
+    DraftRequest,
+    Drafts,
     ExactAcceptance,
     GADPlusPlusAcceptance,
     InputCopyDrafter,
@@ -175,6 +178,48 @@ def test_perfect_drafter_needs_one_forward_per_block(tiny_models, architecture: 
         # drafts are verified from the first (prefill) pass on, even where the decoder starts with the pad token
         assert stats.num_forwards == expected_forwards(int(generated.max()), block_size, drafts_at_prefill=True)
         assert stats.mean_accepted > 1.0 or int(generated.max()) <= 1
+
+
+class RowKeyedReference(Drafter):
+    """Greedy's output kept on the drafter itself, one row per row of the caller's batch, with no `prepare` or
+    `select_rows`: per-row data found through `DraftRequest.rows` (or, with `use_rows=False`, wrongly, through the
+    row's position in the request, which shifts once rows leave the batch)."""
+
+    def __init__(self, reference: torch.Tensor, block_size: int, use_rows: bool = True) -> None:
+        self.reference, self.block_size, self.use_rows = reference, block_size, use_rows
+
+    def get_candidates(self, request: DraftRequest) -> Drafts:
+        rows = request.rows if self.use_rows else torch.arange(request.lengths.shape[0])
+        reference = self.reference[rows]  # (b, R)
+        num_drafts, width = self.block_size - 1, reference.shape[1]
+        positions = request.lengths[:, None] + torch.arange(num_drafts)  # (b, k - 1)
+        tokens = reference.gather(1, positions.clamp(max=width - 1))
+        return Drafts(tokens=tokens, lengths=(width - request.lengths).clamp(0, num_drafts))
+
+
+@pytest.mark.parametrize("architecture", ["bart", "t5"])
+def test_a_drafter_keeping_rows_on_itself_stays_aligned_after_rows_leave(tiny_models, architecture: str) -> None:
+    base = tiny_models[architecture]
+    batch = random_batch(base, 5, seed=3)
+    free_running = base.generate(**batch, max_new_tokens=24)
+    # end rows at different steps: stop tokens that greedy emits early in some rows
+    eos = sorted({int(free_running[1, 3]), int(free_running[3, 9]), base.config.eos_token_id})
+    kwargs = {"max_new_tokens": 24, "eos_token_id": eos, "custom_generate": blockwise_generate}
+    greedy = base.generate(**batch, max_new_tokens=24, eos_token_id=eos)
+    pad = base.generation_config.pad_token_id
+    generated = (greedy[:, 1:] != pad).sum(dim=1)
+    assert len(set(generated.tolist())) >= 3, "rows must finish at different steps for this test to mean anything"
+    outputs = {
+        use_rows: base.generate(
+            **batch, **kwargs, assistant=RowKeyedReference(greedy, 4, use_rows), return_dict_in_generate=True
+        )
+        for use_rows in (True, False)
+    }
+    for output in outputs.values():
+        assert torch.equal(output.sequences, greedy)  # exact either way: misaligned drafts are only rejected
+    aligned, misaligned = outputs[True].decoding_stats, outputs[False].decoding_stats
+    assert aligned.num_forwards == expected_forwards(int(generated.max()), 4, drafts_at_prefill=True)
+    assert misaligned.num_forwards > aligned.num_forwards  # the test sees a drafter that loses its rows
 
 
 def test_heads_forwards_bound_with_perfect_heads(tiny_models) -> None:

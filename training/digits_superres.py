@@ -24,11 +24,12 @@ and heads in ``--out``.
 
 from __future__ import annotations
 
-import json
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from datasets import Dataset
@@ -39,6 +40,9 @@ from hf_blockwise.serialization import atomic_write_text
 from hf_blockwise.tools.arguments import parse_dataclass_args
 from hf_blockwise.training.blockwise_config import BlockwiseTrainingArguments
 from hf_blockwise.training.blockwise_trainer import BlockwiseTrainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from recipe_common import atomic_write_json
 
 PAD, EOS, OFFSET = 0, 1, 3  # token id of intensity v is v + OFFSET
 LEVELS = 17
@@ -185,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(rows[-1], flush=True)
     greedy_mae = float((reference - test_targets).abs().float().mean())
     results = {"greedy_mae_vs_truth": greedy_mae, "rules": rows, "wall_time_s": round(time.time() - started, 1)}
-    atomic_write_text(os.path.join(args.out, "results.json"), json.dumps(results, indent=2) + "\n")
+    atomic_write_json(os.path.join(args.out, "results.json"), results)
     atomic_write_text(args.docs, report(results, len(test_sources)))
     print(f"wrote {args.docs}")
 

@@ -24,11 +24,10 @@ Wall times are in ``training/README.md``.
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
+import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,21 +38,8 @@ from hf_blockwise.serialization import atomic_write_text
 from hf_blockwise.tools.arguments import parse_dataclass_args
 from hf_blockwise.training.distill import distill_texts
 
-DEFAULT_DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-SOURCES_NAME = "sources.txt"
-DISTILLED_NAME = "distilled.jsonl"
-
-# corpus name -> (file under the data folder, how to read one line into an English text)
-CORPORA = {
-    "multi30k_en": ("multi30k/train.en.gz", "text"),
-    "europarl_en": ("europarl_de_en/train.en.gz", "text"),
-    "gec_wi_tgt": ("gec_wi_locness/train.tgt.gz", "text"),
-    "gec_wi_src": ("gec_wi_locness/train.src.gz", "text"),
-    "gec_fce_tgt": ("gec_fce/train.tgt.gz", "text"),
-    "gec_fce_src": ("gec_fce/train.src.gz", "text"),
-    "bible_en": ("bible_kjv_asv/train.src.gz", "bible"),
-    "dialogsum_summary": ("dialogsum/dialogsum.train.jsonl.gz", "summary"),
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data import CORPORA, DATA_ROOT, DISTILLED_NAME, SOURCES_NAME, read_texts
 
 
 @dataclass
@@ -62,7 +48,7 @@ class DistillSourcesArguments:
 
     base: str = field(metadata={"help": "the frozen base whose greedy outputs are the targets"})
     out: str = field(metadata={"help": "folder for sources.txt and distilled.jsonl (resumable)"})
-    data_dir: str = field(default=str(DEFAULT_DATA_DIR), metadata={"help": "the shared data folder"})
+    data_dir: str = field(default=str(DATA_ROOT), metadata={"help": "the shared data folder"})
     corpora: list[str] = field(
         default_factory=lambda: ["multi30k_en:all", "europarl_en", "gec_wi_tgt", "bible_en", "dialogsum_summary"],
         metadata={
@@ -94,24 +80,6 @@ class DistillSourcesArguments:
         return result
 
 
-def read_texts(path: Path, kind: str) -> Iterator[str]:
-    """One English text per line of `path` (plain or gzip), as `kind` says how to read it."""
-    if not path.is_file():
-        raise FileNotFoundError(f"no data file at {path}; see ../shared/data/README.md")
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as handle:
-        for line in handle:
-            if kind == "summary":
-                text = json.loads(line)["summary"]
-            elif kind == "bible":
-                text = line.removeprefix("<ASV> ")
-            else:
-                text = line
-            text = " ".join(text.split())
-            if text:
-                yield text
-
-
 def select_sources(args: DistillSourcesArguments) -> list[str]:
     """The sources, deduplicated, in corpus order, each corpus capped as `args.caps()` says."""
     seen: set[str] = set()
@@ -129,27 +97,6 @@ def select_sources(args: DistillSourcesArguments) -> list[str]:
             taken += 1
         print(f"{name}: {taken} texts")
     return sources
-
-
-def load_distilled(folder: str | os.PathLike) -> tuple[list[str], list[str]]:
-    """(sources, greedy outputs) written by this recipe; raises if the run has not finished."""
-    sources_path, cache_path = Path(folder) / SOURCES_NAME, Path(folder) / DISTILLED_NAME
-    if not sources_path.is_file():
-        raise FileNotFoundError(f"no {SOURCES_NAME} in {folder}: run training/distill_sources.py --out {folder}")
-    sources = sources_path.read_text(encoding="utf-8").split("\n")[:-1]
-    outputs: dict[int, str] = {}
-    if cache_path.is_file():
-        with open(cache_path, encoding="utf-8") as handle:
-            for line in handle:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    break
-                outputs[int(record["index"])] = record["text"]
-    missing = len(sources) - len(outputs)
-    if missing:
-        raise ValueError(f"{folder}: {missing} of {len(sources)} sources not distilled yet; re-run distill_sources.py")
-    return sources, [outputs[index] for index in range(len(sources))]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

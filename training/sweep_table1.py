@@ -49,6 +49,8 @@ from hf_blockwise.tools.evaluation import compare_to_greedy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_heads
+from data import MULTI30K_DIR, load_multi30k
+from recipe_common import atomic_write_json
 
 SETTINGS = {
     "regular": ("gold", "frozen"),
@@ -64,7 +66,7 @@ class SweepTable1Arguments:
     """Command-line flags of the sweep; each field is ``--field-name`` (or ``--field_name``)."""
 
     base: str = field(default="checkpoints/base-multi30k", metadata={"help": "base checkpoint directory"})
-    dataset: str = field(default=str(train_heads.DEFAULT_DATA_DIR), metadata={"help": "Multi30k folder or hub name"})
+    dataset: str = field(default=str(MULTI30K_DIR), metadata={"help": "Multi30k folder or hub name"})
     out: str = field(default="checkpoints/table1", metadata={"help": "output directory, one folder per setting"})
     distilled_cache: str = field(
         default="checkpoints/heads-k4/distilled-beam1.jsonl",
@@ -199,12 +201,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.reevaluate and previous is not None:
             model = BlockwiseHeadsModel.from_pretrained(os.path.join(args.out, setting, "final")).eval()
             tokenizer = AutoTokenizer.from_pretrained(args.base)
-            data, seconds = train_heads.load_multi30k(args.dataset), previous["train_seconds"]
+            data, seconds = load_multi30k(args.dataset), previous["train_seconds"]
         else:
             model, tokenizer, data, seconds = train_setting(args, setting)
         by_block_size = evaluate_setting(args, model, tokenizer, data)
         results[setting] = {"train_seconds": seconds, "by_block_size": by_block_size}
-        atomic_write_text(result_path, json.dumps(results[setting], indent=2) + "\n")
+        atomic_write_json(result_path, results[setting])
     frozen = [r for s, r in results.items() if SETTINGS[s][1] == "frozen"]
     base_bleu = next(iter(frozen[0]["by_block_size"].values()))["greedy_bleu"] if frozen else float("nan")
     atomic_write_text(args.docs, markdown_table(results, base_bleu, args))

@@ -34,22 +34,19 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from datasets import Dataset
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
-from transformers.trainer_utils import get_last_checkpoint
 
 from hf_blockwise import frequent_tokens
 from hf_blockwise.modeling.config import FeatureDrafterConfig
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
-from hf_blockwise.serialization import atomic_write_text
 from hf_blockwise.tools.arguments import parse_dataclass_args
 from hf_blockwise.tools.evaluation import compare_to_greedy
 from hf_blockwise.training.feature_config import FeatureDrafterTrainingArguments
 from hf_blockwise.training.feature_trainer import FeatureDrafterTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distill_sources import DEFAULT_DATA_DIR, load_distilled
-from train_base import load_multi30k
+from data import DATA_ROOT, encode_dataset, load_distilled, load_multi30k
+from recipe_common import atomic_write_json, last_checkpoint, ship_drafter, trainer_arguments
 
 
 @dataclass
@@ -62,7 +59,7 @@ class TrainFeatureDrafterArguments:
     task: Literal["multi30k", "gec"] = field(
         default="multi30k", metadata={"help": "test set of the final report: Multi30k test_2016 or JFLEG dev"}
     )
-    data_dir: str = field(default=str(DEFAULT_DATA_DIR), metadata={"help": "the shared data folder"})
+    data_dir: str = field(default=str(DATA_ROOT), metadata={"help": "the shared data folder"})
     block_size: int = field(default=5, metadata={"help": "k recorded in the config (drafts per step + 1)"})
     draft_threshold: float | None = field(
         default=None, metadata={"help": "default per-row draft threshold recorded in the config (chosen by speed)"}
@@ -83,14 +80,6 @@ class TrainFeatureDrafterArguments:
     max_new_tokens: int = field(default=128)
     shortlist: int | None = field(default=2000, metadata={"help": "draft among the N most frequent target tokens"})
     ship: str | None = field(default=None, metadata={"help": "also write the drafter here (inside the base dir)"})
-
-
-def encode(tokenizer, sources: Sequence[str], targets: Sequence[str]) -> Dataset:
-    inputs = tokenizer(list(sources), truncation=True, max_length=128)
-    labels = tokenizer(text_target=list(targets), truncation=True, max_length=128)
-    return Dataset.from_dict(
-        {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"], "labels": labels["input_ids"]}
-    )
 
 
 def test_set(args: TrainFeatureDrafterArguments) -> tuple[list[str], list[str]]:
@@ -132,7 +121,7 @@ def train(args: TrainFeatureDrafterArguments):
     sources, targets = load_distilled(args.distilled)
     if args.train_sentences:
         sources, targets = sources[: args.train_sentences], targets[: args.train_sentences]
-    train_dataset = encode(tokenizer, sources, targets)
+    train_dataset = encode_dataset(tokenizer, sources, targets)
     config = FeatureDrafterConfig(
         block_size=args.block_size,
         draft_threshold=args.draft_threshold,
@@ -141,25 +130,17 @@ def train(args: TrainFeatureDrafterArguments):
         base_model_name_or_path=args.base,
     )
     model = FeatureDrafterModel(base, config)
-    training_args = FeatureDrafterTrainingArguments(
-        output_dir=args.out,
-        per_device_train_batch_size=args.batch_size,
-        num_train_epochs=args.epochs,
-        max_steps=args.max_steps,
-        learning_rate=args.lr,
-        warmup_steps=args.warmup_steps,
+    training_args = trainer_arguments(
+        FeatureDrafterTrainingArguments,
+        args,
         lr_scheduler_type="cosine",
         feature_loss_weight=args.feature_loss_weight,
         token_loss_weight=args.token_loss_weight,
         logging_steps=args.logging_steps,
         save_steps=200,
-        save_total_limit=2,
-        report_to=[],
-        use_cpu=not torch.cuda.is_available(),
-        seed=0,
     )
     trainer = FeatureDrafterTrainer(model=model, args=training_args, train_dataset=train_dataset)
-    trainer.train(resume_from_checkpoint=get_last_checkpoint(args.out) if os.path.isdir(args.out) else None)
+    trainer.train(resume_from_checkpoint=last_checkpoint(args.out))
     accuracies = _last_step_accuracies(trainer.state.log_history)
     if args.shortlist:
         model.set_shortlist(frequent_tokens(train_dataset["labels"], args.shortlist, always=[tokenizer.eos_token_id]))
@@ -194,11 +175,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "epochs": args.epochs,
         "wall_time_s": round(time.time() - started, 1),
     }
-    atomic_write_text(os.path.join(args.out, "feature_drafter_log.json"), json.dumps(results, indent=2) + "\n")
+    atomic_write_json(os.path.join(args.out, "feature_drafter_log.json"), results)
     print(json.dumps(results, indent=2))
     if args.ship:
-        model.save_pretrained(args.ship, base_model_name_or_path="..", dtype=torch.float16)
-        atomic_write_text(os.path.join(args.ship, "README.md"), model_card(model, results))
+        ship_drafter(model, args.ship, model_card(model, results))
         print(f"shipped to {args.ship}")
 
 

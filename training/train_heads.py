@@ -39,13 +39,9 @@ from typing import Literal
 
 import torch
 from accelerate import PartialState
-from datasets import Dataset
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
-from transformers.trainer_utils import get_last_checkpoint
 
 from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, frequent_tokens
-from hf_blockwise.boundary import save_shipped_model
-from hf_blockwise.serialization import atomic_write_text
 from hf_blockwise.tools.arguments import parse_dataclass_args
 from hf_blockwise.tools.evaluation import compare_to_greedy
 from hf_blockwise.training.blockwise_config import BlockwiseTrainingArguments
@@ -53,8 +49,15 @@ from hf_blockwise.training.blockwise_trainer import BlockwiseTrainer
 from hf_blockwise.training.distill import distill_texts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distill_sources import load_distilled
-from train_base import DEFAULT_DATA_DIR, load_multi30k
+from data import MULTI30K_DIR, encode_dataset, load_distilled, load_multi30k
+from recipe_common import (
+    atomic_write_json,
+    last_checkpoint,
+    ship_drafter,
+    ship_model,
+    trainer_arguments,
+    write_model_card,
+)
 
 
 @dataclass
@@ -62,7 +65,7 @@ class TrainHeadsArguments:
     """Command-line flags of this recipe; each field is ``--field-name`` (or ``--field_name``)."""
 
     base: str = field(default="checkpoints/base-multi30k", metadata={"help": "base checkpoint directory"})
-    dataset: str = field(default=str(DEFAULT_DATA_DIR), metadata={"help": "Multi30k folder or hub name"})
+    dataset: str = field(default=str(MULTI30K_DIR), metadata={"help": "Multi30k folder or hub name"})
     out: str = field(default="checkpoints/heads-k4", metadata={"help": "output / checkpoint directory"})
     block_size: int = field(default=4, metadata={"help": "k: tokens per step, k - 1 heads"})
     head_hidden_size: int | None = field(default=None, metadata={"help": "hidden width per head"})
@@ -118,21 +121,11 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainHeadsArguments:
     return parse_dataclass_args(TrainHeadsArguments, argv, __doc__.split("\n", 1)[0])
 
 
-def encode(tokenizer, sources: Sequence[str], targets: Sequence[str]) -> Dataset:
-    inputs = tokenizer(list(sources), truncation=True, max_length=128)
-    labels = tokenizer(text_target=list(targets), truncation=True, max_length=128)
-    return Dataset.from_dict(
-        {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"], "labels": labels["input_ids"]}
-    )
-
-
 def ship(model: BlockwiseHeadsModel, tokenizer, directory: str, results: dict) -> None:
     """Base and heads in fp16 (half the size; loaded back as fp32) with tokenizer and model card."""
-    os.makedirs(directory, exist_ok=True)
-    save_shipped_model(model.base_model, directory)  # fp16 on disk, loaded as float32
+    ship_model(model.base_model, tokenizer, directory)
     model.save_pretrained(directory, base_model_name_or_path=".", dtype=torch.float16)
-    tokenizer.save_pretrained(directory)
-    atomic_write_text(os.path.join(directory, "README.md"), model_card(model, results))
+    write_model_card(directory, model_card(model, results))
 
 
 def model_card(model: BlockwiseHeadsModel, results: dict) -> str:
@@ -201,7 +194,7 @@ def train(args: TrainHeadsArguments):
             )  # fmt: skip
     else:
         targets = references
-    train_dataset = encode(tokenizer, sources, targets)
+    train_dataset = encode_dataset(tokenizer, sources, targets)
 
     config = BlockwiseConfig(
         block_size=args.block_size,
@@ -211,25 +204,17 @@ def train(args: TrainHeadsArguments):
         base_model_name_or_path=args.base,
     )
     model = BlockwiseHeadsModel(base, config)
-    training_args = BlockwiseTrainingArguments(
-        output_dir=args.out,
-        per_device_train_batch_size=args.batch_size,
-        num_train_epochs=args.epochs,
-        max_steps=args.max_steps,
-        learning_rate=args.lr,
-        warmup_steps=args.warmup_steps,
+    training_args = trainer_arguments(
+        BlockwiseTrainingArguments,
+        args,
         base_training=args.base_training,
         lora_target_modules=["q_proj", "v_proj"] if args.base_training == "lora" else None,
         lr_scheduler_type="linear",
         logging_steps=50,
         save_steps=200,
-        save_total_limit=2,
-        report_to=[],
-        use_cpu=not torch.cuda.is_available(),
-        seed=0,
     )
     trainer = BlockwiseTrainer(model=model, args=training_args, train_dataset=train_dataset, processing_class=tokenizer)
-    trainer.train(resume_from_checkpoint=get_last_checkpoint(args.out) if os.path.isdir(args.out) else None)
+    trainer.train(resume_from_checkpoint=last_checkpoint(args.out))
     if args.shortlist:
         # verification keeps the whole vocabulary, so this only drops proposals of rare tokens
         model.set_shortlist(frequent_tokens(train_dataset["labels"], args.shortlist, always=[tokenizer.eos_token_id]))
@@ -268,14 +253,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "world_size": state.num_processes,
         "wall_time_s": round(time.time() - started, 1),
     }
-    atomic_write_text(os.path.join(args.out, "heads_log.json"), json.dumps(results, indent=2) + "\n")
+    atomic_write_json(os.path.join(args.out, "heads_log.json"), results)
     print(json.dumps(results, indent=2))
     if args.ship:
         ship(model, tokenizer, args.ship, results)
         print(f"shipped to {args.ship}")
     if args.ship_heads:
-        model.save_pretrained(args.ship_heads, base_model_name_or_path="..", dtype=torch.float16)
-        atomic_write_text(os.path.join(args.ship_heads, "README.md"), model_card(model, results))
+        ship_drafter(model, args.ship_heads, model_card(model, results))
         print(f"heads shipped to {args.ship_heads}")
 
 

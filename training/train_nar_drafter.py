@@ -39,7 +39,6 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint
 
 from hf_blockwise.drafters.nar import NonAutoregressiveDrafter
 from hf_blockwise.serialization import atomic_write_text
@@ -50,8 +49,8 @@ from hf_blockwise.training.nar_config import NARDrafterTrainingArguments
 from hf_blockwise.training.nar_trainer import NARDrafterTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_base import DEFAULT_DATA_DIR, load_multi30k
-from train_heads import encode
+from data import MULTI30K_DIR, encode_dataset, load_multi30k
+from recipe_common import atomic_write_json, last_checkpoint, trainer_arguments, write_model_card
 
 
 @dataclass
@@ -59,7 +58,7 @@ class TrainNARDrafterArguments:
     """Command-line flags of this recipe; each field is ``--field-name`` (or ``--field_name``)."""
 
     base: str = field(default="hf_blockwise/pretrained/multi30k-en-de", metadata={"help": "verifier checkpoint"})
-    dataset: str = field(default=str(DEFAULT_DATA_DIR), metadata={"help": "Multi30k folder or hub name"})
+    dataset: str = field(default=str(MULTI30K_DIR), metadata={"help": "Multi30k folder or hub name"})
     out: str = field(default="checkpoints/nar-k8", metadata={"help": "output / checkpoint directory"})
     distilled_cache: str | None = field(
         default=None, metadata={"help": "JSON-lines cache of greedy outputs (unset: in --out)"}
@@ -122,31 +121,23 @@ def train(args: TrainNARDrafterArguments):
         sources = sources[: args.train_sentences]
     cache = args.distilled_cache or os.path.join(args.out, "distilled-beam1.jsonl")
     targets = distill_texts(verifier, tokenizer, sources, cache, batch_size=64, max_new_tokens=args.max_new_tokens)
-    train_dataset = encode(tokenizer, sources, targets)
+    train_dataset = encode_dataset(tokenizer, sources, targets)
 
     mask_token_id = tokenizer.mask_token_id if tokenizer.mask_token_id is not None else tokenizer.unk_token_id
     drafter = NonAutoregressiveDrafter.from_verifier(
         verifier, mask_token_id=mask_token_id, block_size=args.block_size, decoder_layers=args.decoder_layers,
         encoder_layers=args.encoder_layers, verifier_name_or_path=args.base,
     )  # fmt: skip
-    training_args = NARDrafterTrainingArguments(
-        output_dir=args.out,
-        per_device_train_batch_size=args.batch_size,
-        num_train_epochs=args.epochs,
-        max_steps=args.max_steps,
-        learning_rate=args.lr,
-        warmup_steps=args.warmup_steps,
+    training_args = trainer_arguments(
+        NARDrafterTrainingArguments,
+        args,
         prefixes_per_example=args.prefixes_per_example,
         freeze_encoder=args.freeze_encoder,
         lr_scheduler_type="linear",
         logging_steps=50,
         save_steps=300,
-        save_total_limit=2,
-        report_to=[],
-        use_cpu=not torch.cuda.is_available(),
-        seed=0,
     )
-    resume_from = get_last_checkpoint(args.out) if os.path.isdir(args.out) else None
+    resume_from = last_checkpoint(args.out)
     clock = TrainingClock(resume_from)
     trainer = NARDrafterTrainer(
         drafter, training_args, train_dataset=train_dataset, processing_class=tokenizer, callbacks=[clock]
@@ -175,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "train_wall_time_s": round(train_seconds, 1),
         "wall_time_s": round(time.time() - started, 1),
     }
-    atomic_write_text(os.path.join(args.out, "nar_log.json"), json.dumps(results, indent=2) + "\n")
+    atomic_write_json(os.path.join(args.out, "nar_log.json"), results)
     print(json.dumps(results, indent=2))
     if args.ship:
         # only the trained weights: the encoder and embeddings are the verifier's, rebuilt from it on loading
@@ -186,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             verifier_name_or_path=os.path.relpath(args.base, args.ship),
         )
         card = model_card(args, results, architecture=type(drafter.model).__name__)
-        atomic_write_text(os.path.join(args.ship, "README.md"), card)
+        write_model_card(args.ship, card)
         print(f"shipped to {args.ship}")
 
 

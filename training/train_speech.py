@@ -70,7 +70,8 @@ from hf_blockwise.tools.arguments import parse_dataclass_args
 from hf_blockwise.tools.audio import word_error_rate, write_wav
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distill_sources import CORPORA, DEFAULT_DATA_DIR, read_texts
+from data import CORPORA, read_texts
+from data import DATA_ROOT as DEFAULT_DATA_DIR
 from speech_data import (
     DEV_FILES,
     HELDOUT_VARIANTS,

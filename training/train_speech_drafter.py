@@ -31,19 +31,18 @@ from pathlib import Path
 
 import torch
 from transformers import WhisperForConditionalGeneration, WhisperProcessor
-from transformers.trainer_utils import get_last_checkpoint
 
 from hf_blockwise import blockwise_generate, check_decoder
 from hf_blockwise.modeling.config import FeatureDrafterConfig
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
 from hf_blockwise.modeling.shortlist import frequent_tokens
-from hf_blockwise.serialization import atomic_write_text
 from hf_blockwise.tools.arguments import parse_dataclass_args
 from hf_blockwise.tools.harness import DecoderCallCounter
 from hf_blockwise.training.feature_config import FeatureDrafterTrainingArguments
 from hf_blockwise.training.feature_trainer import FeatureDrafterTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from recipe_common import atomic_write_json, last_checkpoint, trainer_arguments, write_model_card
 from speech_data import SAMPLING_RATE, SpeechSplit
 from train_speech import SpeechCollator, heldout_audio
 
@@ -116,15 +115,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         block_size=args.block_size, training_depth=args.training_depth, base_model_name_or_path=str(speech / "model")
     )
     model = FeatureDrafterModel(base, config)
-    training_args = FeatureDrafterTrainingArguments(
-        output_dir=args.out, per_device_train_batch_size=args.batch_size, num_train_epochs=args.epochs,
-        max_steps=args.max_steps, learning_rate=args.lr, warmup_steps=args.warmup_steps, lr_scheduler_type="cosine",
-        logging_steps=50, save_steps=200, save_total_limit=2, report_to=[], remove_unused_columns=False,
-        use_cpu=not torch.cuda.is_available(), seed=0,
+    training_args = trainer_arguments(
+        FeatureDrafterTrainingArguments, args, lr_scheduler_type="cosine", logging_steps=50, save_steps=200,
+        remove_unused_columns=False,
     )  # fmt: skip
     collator = SpeechCollator(processor.feature_extractor, processor.tokenizer, seed=1, ctc=False)
     trainer = FeatureDrafterTrainer(model=model, args=training_args, train_dataset=train, data_collator=collator)
-    trainer.train(resume_from_checkpoint=get_last_checkpoint(args.out) if os.path.isdir(args.out) else None)
+    trainer.train(resume_from_checkpoint=last_checkpoint(args.out))
     model.eval()
     if args.shortlist:
         labels = [processor.tokenizer.encode(f" {u.text}", add_special_tokens=False) for u in train.utterances]
@@ -138,11 +135,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         "steps": trainer.state.global_step,
         "wall_time_s": round(time.time() - started, 1),
     }
-    atomic_write_text(os.path.join(args.out, "speech_drafter_log.json"), json.dumps(results, indent=2) + "\n")
+    atomic_write_json(os.path.join(args.out, "speech_drafter_log.json"), results)
     print(json.dumps(results, indent=2))
     if args.ship:
         model.save_pretrained(args.ship)
-        atomic_write_text(os.path.join(args.ship, "README.md"), MODEL_CARD.format(**results))
+        write_model_card(args.ship, MODEL_CARD.format(**results))
         print(f"shipped to {args.ship}")
 
 

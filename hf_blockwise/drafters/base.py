@@ -2,9 +2,14 @@
 
 The contract follows transformers' `CandidateGenerator` (`get_candidates`, `update_candidate_strategy`),
 adapted to batches whose rows advance at different speeds: a drafter receives a [`DraftRequest`] describing
-every row and returns a [`Drafts`] with a token count per row. Drafters keep no state on themselves between
-steps or calls: what one `generate` call needs throughout (a drafter model's encoder output) is returned by
-[`Drafter.prepare`] once, and the loop hands it back in every request.
+every row and returns a [`Drafts`] with a token count per row.
+
+Rows leave the batch as they finish, so row i of a request is not row i of the caller's batch for long.
+[`DraftRequest.rows`] names, for each row of the request, its index in the caller's batch: per-row data kept
+anywhere (a reference continuation given to the drafter's constructor, a dict keyed by row) must be looked up
+through it. What one `generate` call needs throughout (a drafter model's encoder output) is best returned by
+[`Drafter.prepare`] once: the loop hands it back in every request, row-selected by [`Drafter.select_rows`] as
+rows leave.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hf_blockwise.generation.engine import CompileOptions
+from hf_blockwise.engine import CompileOptions
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,9 @@ class DraftRequest:
             the base's encoder output, computed once per call.
         compile ([`CompileOptions`], *optional*): set when the loop verifies through the compiled engine
             (`blockwise_compile=`); a drafter that has a compiled drafting block uses it with these options.
+        rows (`torch.LongTensor` of shape `(batch_size,)`, *optional*): each row's index in the caller's batch
+            (`generate`'s input), increasing; rows that finished are gone. The loop always sets it; `None` only in
+            requests built by hand.
     """
 
     sequences: torch.Tensor
@@ -69,6 +77,7 @@ class DraftRequest:
     verified_states: VerifiedStates | None = None
     encoder_hidden_states: torch.Tensor | None = None
     compile: CompileOptions | None = None
+    rows: torch.Tensor | None = None
 
 
 @dataclass

@@ -18,7 +18,7 @@ back to the host.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -27,11 +27,44 @@ from torch.nn import functional as F
 from hf_blockwise.boundary import decoder_input_embeddings, output_projection_logits, shortlist_projection
 from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts, VerifiedStates
 from hf_blockwise.drafters.heads import ShortlistProjection
-from hf_blockwise.generation.engine import CompiledModule, compiled_block
-from hf_blockwise.modeling.feature_layer import AttentionMemory
+from hf_blockwise.engine import CompiledModule, compiled_block
 
-if TYPE_CHECKING:
-    from hf_blockwise.modeling.feature_model import FeatureDrafterModel
+
+class FeatureModel(Protocol):
+    """What [`FeatureDrafter`] reads of a model with a feature drafter; [`FeatureDrafterModel`] is one.
+
+    The drafter owns proposing and nothing of the model: weights and persistence stay with the model (`modeling/`),
+    which imports this module, not the other way round.
+
+    Attributes:
+        feature_config: its `block_size` and `threshold` (defaults of the drafter).
+        layer (`nn.Module`): the drafter layer (`modeling/feature_layer.py: FeatureDrafterLayer`): `inputs`,
+            `self_memory`, `encoder_memory`, its call, `out` and its `shortlist` buffer (or `None`).
+        base_model (`nn.Module`): the transformers model whose output projection turns states into tokens.
+    """
+
+    feature_config: Any
+    layer: nn.Module
+    base_model: nn.Module
+
+    def token_embeddings(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The base decoder's input embeddings of `token_ids` (any shape `S` -> `S + (e,)`), as the layer reads them."""
+
+
+@dataclass
+class AttentionMemory:
+    """Keys and values one attention reads, with a mask over them.
+
+    Attributes:
+        keys (`torch.Tensor` of shape `(batch_size, num_heads, length, head_size)`).
+        values (`torch.Tensor` of shape `(batch_size, num_heads, length, head_size)`).
+        mask (`torch.BoolTensor` broadcastable to `(batch_size, 1, num_queries, length)`, *optional*): True where
+            a query may attend.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -80,7 +113,7 @@ class FeatureDrafter(Drafter):
 
     def __init__(
         self,
-        model: FeatureDrafterModel,
+        model: FeatureModel,
         block_size: int | None = None,
         threshold: float | None = None,
         use_shortlist: bool = True,
@@ -320,7 +353,7 @@ class FeatureDraftBlock(nn.Module):
         num_drafts (`int`): drafts per row and call, `block_size - 1`.
     """
 
-    def __init__(self, model: FeatureDrafterModel, projection: ShortlistProjection | None, num_drafts: int) -> None:
+    def __init__(self, model: FeatureModel, projection: ShortlistProjection | None, num_drafts: int) -> None:
         super().__init__()
         self.layer = model.layer
         self.embeddings = decoder_input_embeddings(model.base_model)

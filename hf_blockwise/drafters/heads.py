@@ -3,16 +3,35 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from hf_blockwise.boundary import output_projection_logits, shortlist_projection
 from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts
-from hf_blockwise.modeling.heads import SequentialHeads
 
-if TYPE_CHECKING:
-    from hf_blockwise.modeling.model import BlockwiseHeadsModel
+
+class HeadsModel(Protocol):
+    """What [`HeadsDrafter`] reads of a model with proposal heads; [`BlockwiseHeadsModel`] is one.
+
+    The drafter reads these attributes and owns nothing of the model: weights and persistence stay with the model
+    (`modeling/`), which imports this module, not the other way round.
+
+    Attributes:
+        blockwise_config: its `block_size` (k) and `sequential` (Hydra-style heads that read the earlier drafts).
+        heads (`nn.Module`): called as `heads(states, num_heads=, token_embeddings=)` -> `(B, num_heads, d)`, or, when
+            sequential, `heads.head(index, states, token_embeddings)` -> `(B, d)`; `heads.shortlist` is a vocabulary
+            shortlist or `None`.
+        base_model (`nn.Module`): the transformers model whose output projection turns head states into tokens.
+    """
+
+    blockwise_config: Any
+    heads: nn.Module
+    base_model: nn.Module
+
+    def chosen_token_embeddings(self, token_ids: torch.Tensor) -> torch.Tensor | None:
+        """Embeddings of the tokens the base chose, `(B,)` -> `(B, e)`, for heads that read them, else `None`."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +57,7 @@ class HeadsDrafter(Drafter):
     and the first step drafts nothing.
 
     Args:
-        model ([`BlockwiseHeadsModel`]): the model whose heads draft.
+        model ([`HeadsModel`], e.g. a [`BlockwiseHeadsModel`]): the model whose heads draft.
         block_size (`int`, *optional*): use only the first `block_size - 1` heads (2 <= block_size <= the
             model's block size). Fewer heads cost less per step when long blocks are rarely accepted.
         use_shortlist (`bool`, defaults to `True`): propose only among the model's vocabulary shortlist, if it
@@ -47,7 +66,7 @@ class HeadsDrafter(Drafter):
 
     reads_decoder_states = True
 
-    def __init__(self, model: BlockwiseHeadsModel, block_size: int | None = None, use_shortlist: bool = True) -> None:
+    def __init__(self, model: HeadsModel, block_size: int | None = None, use_shortlist: bool = True) -> None:
         trained = model.blockwise_config.block_size
         block_size = trained if block_size is None else block_size
         if not 2 <= block_size <= trained:
@@ -76,7 +95,7 @@ class HeadsDrafter(Drafter):
         # the last verified token is the base model's own choice from `last_states`
         last_tokens = request.sequences.gather(1, (request.lengths - 1).clamp(min=0)[:, None])[:, 0]  # (B,)
         chosen = self.model.chosen_token_embeddings(last_tokens)  # (B, e) or None
-        if isinstance(self.model.heads, SequentialHeads):
+        if self.model.blockwise_config.sequential:
             tokens = self._draft_sequentially(states, chosen, request.drafter_state)  # (B, k-1)
         else:
             head_states = self.model.heads(states, num_heads=self.block_size - 1, token_embeddings=chosen)

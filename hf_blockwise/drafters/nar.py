@@ -30,8 +30,7 @@ from transformers import AutoConfig, AutoModelForSeq2SeqLM, PreTrainedModel
 
 from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts
-from hf_blockwise.modeling.config import JsonConfigMixin
-from hf_blockwise.serialization import atomic_write, atomic_write_text
+from hf_blockwise.serialization import JsonConfigMixin, atomic_write, atomic_write_text
 
 NAR_CONFIG_NAME = "nar_drafter_config.json"
 # a drafter saved relative to its verifier: only the weights that differ from the verifier's

@@ -17,9 +17,9 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.base import Drafter, NoDrafter
+from hf_blockwise.engine import CompileOptions, compiled_decoder
 from hf_blockwise.generation.acceptance import AcceptanceRule, ExactAcceptance
 from hf_blockwise.generation.capability import check_decoder, check_verification_width
-from hf_blockwise.generation.engine import CompileOptions, compiled_decoder
 from hf_blockwise.generation.state import DecodingSetup, DecodingState, DecodingStats
 from hf_blockwise.generation.step import decode_step
 
@@ -105,7 +105,7 @@ def blockwise_generate(
         assistant ([`Drafter`], *optional*): what proposes tokens; `None` proposes nothing (plain greedy).
         acceptance ([`AcceptanceRule`], *optional*): defaults to [`ExactAcceptance`].
         blockwise_compile (`bool` or [`CompileOptions`], defaults to `False`): run the verification forward through
-            the compiled engine (`generation/engine.py`): `torch.compile` over a static cache, weights prepacked on
+            the compiled engine (`engine.py`): `torch.compile` over a static cache, weights prepacked on
             CPU, CUDA graphs on CUDA. The first call per model compiles (seconds to a minute); where compilation
             is unavailable a warning says so and decoding runs eagerly. Its output is the engine's own greedy
             output, which may differ from eager greedy only at a floating-point near-tie.

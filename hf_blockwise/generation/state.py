@@ -16,8 +16,8 @@ from transformers import LogitsProcessorList
 
 from hf_blockwise.boundary import StopRules
 from hf_blockwise.drafters.base import Drafter, VerifiedStates
+from hf_blockwise.engine import CompiledDecoder
 from hf_blockwise.generation.acceptance import AcceptanceRule
-from hf_blockwise.generation.engine import CompiledDecoder
 
 
 @dataclass

@@ -50,6 +50,7 @@ def draft_request(state: DecodingState, setup: DecodingSetup) -> DraftRequest:
         verified_states=state.verified_states,
         encoder_hidden_states=hf.encoder_hidden_states(state.forward_kwargs),
         compile=None if setup.engine is None else setup.engine.options,
+        rows=state.rows,
     )
 
 

@@ -2,55 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import ClassVar
 
-from hf_blockwise.serialization import atomic_write_text
-
-if TYPE_CHECKING:
-    from typing_extensions import Self  # typing.Self needs Python 3.11
+from hf_blockwise.serialization import JsonConfigMixin
 
 CONFIG_NAME = "blockwise_config.json"
-
-
-class JsonConfigMixin:
-    """JSON round trip of a config dataclass: unknown keys and corrupt files are errors, writes are atomic."""
-
-    file_name: ClassVar[str]
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Self:
-        known = {field.name for field in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"Unknown {cls.__name__} keys {unknown}; known keys are {sorted(known)}")
-        return cls(**data)
-
-    def to_json_string(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
-
-    def save_pretrained(self, save_directory: str | os.PathLike) -> str:
-        """Writes the config file into `save_directory` atomically and returns its path."""
-        path = os.path.join(save_directory, self.file_name)
-        atomic_write_text(path, self.to_json_string())
-        return path
-
-    @classmethod
-    def from_json_file(cls, path: str | os.PathLike) -> Self:
-        try:
-            with open(path, encoding="utf-8") as handle:
-                data = json.load(handle)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path} is not valid JSON ({error}); the checkpoint is corrupt") from error
-        if not isinstance(data, dict):
-            raise ValueError(f"{path} must hold a JSON object, found {type(data).__name__}")
-        return cls.from_dict(data)
 
 
 @dataclass

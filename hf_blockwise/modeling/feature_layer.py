@@ -12,11 +12,11 @@ EAGLE-3, neither of which a stock decoder layer supports.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from hf_blockwise.drafters.feature import AttentionMemory
 
 
 # The layer runs once per drafted token on tiny tensors, where each module call's own overhead is a large part of
@@ -27,22 +27,6 @@ def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def _norm(layer: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(x, layer.normalized_shape, layer.weight, layer.bias, layer.eps)
-
-
-@dataclass
-class AttentionMemory:
-    """Keys and values one attention reads, with a mask over them.
-
-    Attributes:
-        keys (`torch.Tensor` of shape `(batch_size, num_heads, length, head_size)`).
-        values (`torch.Tensor` of shape `(batch_size, num_heads, length, head_size)`).
-        mask (`torch.BoolTensor` broadcastable to `(batch_size, 1, num_queries, length)`, *optional*): True where
-            a query may attend.
-    """
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    mask: torch.Tensor | None = None
 
 
 class DraftAttention(nn.Module):

@@ -14,10 +14,10 @@ from transformers.utils import ModelOutput
 
 from hf_blockwise import boundary as hf
 from hf_blockwise.boundary import BaseModelWrapper, output_projection_logits, resolve_file
-from hf_blockwise.drafters.feature import FeatureDrafter
+from hf_blockwise.drafters.feature import AttentionMemory, FeatureDrafter
 from hf_blockwise.generation.loop import blockwise_generate
 from hf_blockwise.modeling.config import FEATURE_DRAFTER_CONFIG_NAME, FeatureDrafterConfig
-from hf_blockwise.modeling.feature_layer import AttentionMemory, FeatureDrafterLayer, unrolled_mask
+from hf_blockwise.modeling.feature_layer import FeatureDrafterLayer, unrolled_mask
 from hf_blockwise.modeling.shortlist import shortlist_ids
 from hf_blockwise.serialization import atomic_write, load_checked_weights
 

@@ -47,8 +47,8 @@ from hf_blockwise.drafters.composite import CompositeDrafter
 from hf_blockwise.drafters.input_copy import InputCopyDrafter
 from hf_blockwise.drafters.nar import NonAutoregressiveDrafter
 from hf_blockwise.drafters.oracle import ReferenceDrafter
+from hf_blockwise.engine import CompiledDecoder, CompileOptions, compiled_decoder
 from hf_blockwise.generation.acceptance import GADPlusPlusAcceptance, TopKAcceptance
-from hf_blockwise.generation.engine import CompiledDecoder, CompileOptions, compiled_decoder
 from hf_blockwise.generation.loop import blockwise_generate
 from hf_blockwise.modeling.quantization import quantize_dynamic_int8
 from hf_blockwise.serialization import atomic_write_text

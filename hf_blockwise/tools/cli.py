@@ -1,5 +1,6 @@
-"""`hf-blockwise` console script: `demo` (greedy and blockwise side by side) and `bench` (every mode, or the
-loop alone on random models of real shapes with `--model-config`)."""
+"""`hf-blockwise` console script: `demo` (greedy and blockwise side by side), `bench` (every mode, or the loop alone
+on random models of real shapes with `--model-config`) and `generate` (a whole corpus, resumable, sharded over
+`accelerate launch` processes)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,12 @@ import os
 from collections.abc import Sequence
 
 import torch
-from transformers import AutoFeatureExtractor, AutoModelForSeq2SeqLM, AutoTokenizer
+from transformers import AutoFeatureExtractor, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from hf_blockwise import boundary as hf
-from hf_blockwise.drafters.nar import NAR_CONFIG_NAME, NonAutoregressiveDrafter
 from hf_blockwise.generation.loop import blockwise_generate
-from hf_blockwise.modeling.config import CONFIG_NAME, FEATURE_DRAFTER_CONFIG_NAME
+from hf_blockwise.modeling.config import FEATURE_DRAFTER_CONFIG_NAME
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
 from hf_blockwise.modeling.model import BlockwiseHeadsModel
 from hf_blockwise.modeling.quantization import quantize_dynamic_int8
@@ -39,7 +39,14 @@ from hf_blockwise.tools.bench import (
     set_speedup_ceilings,
     write_report,
 )
+from hf_blockwise.tools.corpus import DRAFTERS, generate_corpus
 from hf_blockwise.tools.harness import measure
+from hf_blockwise.tools.loading import (
+    FEATURE_DRAFTER_SUBDIR,
+    NAR_DRAFTER_SUBDIR,
+    load_for_bench,
+    shipped_drafter_path,
+)
 from hf_blockwise.tools.model_configs import MODEL_CONFIGS, build_model, random_sources, resolve_name
 
 DEMO_SENTENCES = [
@@ -89,7 +96,7 @@ def run_demo(
     if int8:
         quantize_dynamic_int8(model)  # greedy below is then the int8 model's greedy too
     base = model.base_model
-    feature_path = _shipped(model_path, FEATURE_DRAFTER_SUBDIR, FEATURE_DRAFTER_CONFIG_NAME)
+    feature_path = shipped_drafter_path(model_path, FEATURE_DRAFTER_SUBDIR, FEATURE_DRAFTER_CONFIG_NAME)
     if drafter == "feature" and feature_path is None:
         raise SystemExit(f"{model_path} ships no {FEATURE_DRAFTER_SUBDIR}/: use --drafter heads")
     if drafter in ("feature", "best") and feature_path is not None:
@@ -131,7 +138,7 @@ def run_asr_demo(
         raise SystemExit(f"{model_path} is a text model: run the demo without --task asr")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     feature_extractor = AutoFeatureExtractor.from_pretrained(model_path)
-    feature_path = _shipped(model_path, FEATURE_DRAFTER_SUBDIR, FEATURE_DRAFTER_CONFIG_NAME)
+    feature_path = shipped_drafter_path(model_path, FEATURE_DRAFTER_SUBDIR, FEATURE_DRAFTER_CONFIG_NAME)
     if feature_path is None:
         raise SystemExit(f"{model_path} ships no {FEATURE_DRAFTER_SUBDIR}/ to draft with")
     feature = FeatureDrafterModel.from_pretrained(feature_path, base_model=base).eval()
@@ -189,82 +196,11 @@ def _side_by_side(
     return 0 if blockwise.identical == len(labels) else 1
 
 
-# where a model directory keeps its other drafters, if it ships them
-NAR_DRAFTER_SUBDIR = "nar-drafter"
-FEATURE_DRAFTER_SUBDIR = "feature-drafter"
-SEQUENTIAL_HEADS_SUBDIR = "sequential-heads"
 # `--model-config` runs: sources of this many random token ids, and these defaults
 MODEL_CONFIG_SOURCE_LENGTH = 20
 MODEL_CONFIG_SENTENCES = 8
 MODEL_CONFIG_MAX_NEW_TOKENS = 32
 MODEL_CONFIG_ORACLE_BLOCK_SIZES = (2, 3, 4, 5, 6, 8)
-
-
-def load_for_bench(
-    model_path: str,
-    assistant_path: str | None,
-    max_new_tokens: int,
-    iad_max_draft_length: int = 32,
-    nar_drafter_path: str | None = None,
-    feature_drafter_path: str | None = None,
-    sequential_heads_path: str | None = None,
-) -> BenchSetup:
-    """The bench's setup from a model directory: base (with heads if it has some), tokenizer, assistant model,
-    NAR drafter, feature drafter and sequential heads (`<model>/nar-drafter`, `<model>/feature-drafter`,
-    `<model>/sequential-heads` when present and none is given)."""
-    for what, path in (
-        ("--model", model_path), ("--assistant-model", assistant_path), ("--nar-drafter", nar_drafter_path),
-        ("--feature-drafter", feature_drafter_path), ("--sequential-heads", sequential_heads_path),
-    ):  # fmt: skip
-        if path is not None:
-            hf.check_local_path(path, what)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    heads_model = None
-    if os.path.isfile(os.path.join(model_path, CONFIG_NAME)):
-        heads_model = BlockwiseHeadsModel.from_pretrained(model_path, dtype=torch.float32).eval()
-        base = heads_model.base_model
-    else:
-        base = hf.load_encoder_decoder(model_path, dtype=torch.float32).eval()
-    # speech encoders read features of audio (Whisper's log-mel frames), made by the checkpoint's feature extractor
-    feature_extractor = (
-        None if hf.encoder_input_name(base) == "input_ids" else AutoFeatureExtractor.from_pretrained(model_path)
-    )
-    assistant = None
-    if assistant_path is not None and os.path.isfile(os.path.join(assistant_path, NAR_CONFIG_NAME)):
-        # a drafter is a small seq2seq model of the same vocabulary; fed no masks, its output at the last
-        # verified position is an autoregressive next-token prediction, which is all an assistant model makes
-        drafter = NonAutoregressiveDrafter.from_pretrained(assistant_path, verifier=base, dtype=torch.float32)
-        assistant = drafter.model.eval()
-    elif assistant_path is not None:
-        assistant = AutoModelForSeq2SeqLM.from_pretrained(assistant_path, dtype=torch.float32).eval()
-    shipped_drafter = os.path.join(model_path, NAR_DRAFTER_SUBDIR)
-    if nar_drafter_path is None and os.path.isfile(os.path.join(shipped_drafter, NAR_CONFIG_NAME)):
-        nar_drafter_path = shipped_drafter
-    nar_drafter = None
-    if nar_drafter_path is not None:
-        nar_drafter = NonAutoregressiveDrafter.from_pretrained(nar_drafter_path, verifier=base, dtype=torch.float32)
-    feature_drafter_path = feature_drafter_path or _shipped(
-        model_path, FEATURE_DRAFTER_SUBDIR, FEATURE_DRAFTER_CONFIG_NAME
-    )
-    feature_model = None
-    if feature_drafter_path is not None:
-        feature_model = FeatureDrafterModel.from_pretrained(feature_drafter_path, base_model=base).eval()
-    sequential_heads_path = sequential_heads_path or _shipped(model_path, SEQUENTIAL_HEADS_SUBDIR, CONFIG_NAME)
-    sequential_heads_model = None
-    if sequential_heads_path is not None:
-        sequential_heads_model = BlockwiseHeadsModel.from_pretrained(sequential_heads_path, base_model=base).eval()
-    return BenchSetup(
-        base=base, tokenizer=tokenizer, heads_model=heads_model, assistant_model=assistant,
-        max_new_tokens=max_new_tokens, iad_max_draft_length=iad_max_draft_length, nar_drafter=nar_drafter,
-        feature_model=feature_model, sequential_heads_model=sequential_heads_model,
-        feature_extractor=feature_extractor,
-    )  # fmt: skip
-
-
-def _shipped(model_path: str, subdir: str, config_name: str) -> str | None:
-    """`<model_path>/<subdir>` when it holds a saved drafter (its `config_name`), else `None`."""
-    path = os.path.join(model_path, subdir)
-    return path if os.path.isfile(os.path.join(path, config_name)) else None
 
 
 def _sources(args: argparse.Namespace, setup: BenchSetup) -> tuple[list, list[str] | None]:
@@ -520,8 +456,66 @@ def _check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Names
         parser.error("--model-config decodes random source ids with a random model: it takes no files or drafters")
 
 
+def _add_generate_arguments(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--model", required=True, help="model directory (with its drafters) or hub id")
+    command.add_argument(
+        "--input", required=True,
+        help="text file (one source per line, .gz allowed), .jsonl (with --column), .csv/.tsv/.parquet/.json data "
+        "file, a dataset saved with save_to_disk, or a hub dataset name (with --column, --split)",
+    )  # fmt: skip
+    command.add_argument("--output", required=True, help="output file: text, or JSONL when it ends in .jsonl")
+    command.add_argument("--column", default=None, help="the column / JSON field holding the sources")
+    command.add_argument("--split", default=None, help="the dataset split (datasets with several)")
+    command.add_argument(
+        "--drafter", choices=DRAFTERS, default="auto",
+        help="auto: the fastest exact one the model has (composite, else feature, heads, input_copy, none)",
+    )  # fmt: skip
+    command.add_argument("--batch-size", type=int, default=16, help="most rows per batch")
+    command.add_argument("--max-batch-tokens", type=int, default=None, help="most padded source tokens per batch")
+    command.add_argument("--max-new-tokens", type=int, default=256, help="length limit of each output")
+    command.add_argument(
+        "--generate-kwargs", type=json.loads, default=None,
+        help='more generate arguments, as JSON: \'{"no_repeat_ngram_size": 3}\'',
+    )  # fmt: skip
+    command.add_argument("--compile", action="store_true", help="verify through the compiled engine")
+    command.add_argument("--format", choices=("text", "jsonl"), default=None, help="default: from the file name")
+    command.add_argument("--stats", action="store_true", help="JSONL records carry new_tokens and decoder_calls")
+    command.add_argument(
+        "--on-long", choices=("fail", "skip"), default="fail",
+        help="sources longer than the model's positions: fail, or skip with a warning (empty output line)",
+    )  # fmt: skip
+    command.add_argument(
+        "--chunk-size", type=int, default=1024, help="lines sorted, written and resumed together; the unit of sharding"
+    )
+    command.add_argument("--overwrite", action="store_true", help="replace the output instead of resuming it")
+    command.add_argument("--threads", type=int, default=None, help="torch CPU threads (per process)")
+    command.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_generate_command(args: argparse.Namespace) -> int:
+    """`hf-blockwise generate`: [`generate_corpus`] with the command's flags; prints the run's figures."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    transformers_logging.set_verbosity_error()
+    try:
+        report = generate_corpus(
+            args.model, args.input, args.output, column=args.column, split=args.split, drafter=args.drafter,
+            batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens, max_new_tokens=args.max_new_tokens,
+            generate_kwargs=args.generate_kwargs, compile=args.compile, output_format=args.format, stats=args.stats,
+            on_long=args.on_long, chunk_size=args.chunk_size, overwrite=args.overwrite, progress=not args.no_progress,
+        )  # fmt: skip
+    except ValueError as error:
+        raise SystemExit(f"hf-blockwise generate: {error}") from error
+    print(
+        f"{report.output}: {report.lines} lines decoded ({report.resumed_lines} already there, {report.skipped} "
+        f"skipped) with drafter {report.drafter} in {report.seconds:.1f}s: {report.sentences_per_second:.1f} "
+        f"sentences/s, {report.tokens_per_second:.0f} tokens/s, {report.tokens_per_call:.2f} tokens per decoder call"
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """The `hf-blockwise` console script: `demo` and `bench`."""
+    """The `hf-blockwise` console script: `demo`, `bench` and `generate`."""
     parser = argparse.ArgumentParser(prog="hf-blockwise", description="Exact blockwise parallel decoding.")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="translate a few sentences, greedy and blockwise side by side")
@@ -546,7 +540,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("sentences", nargs="*", help="English sentences to translate (default: built-in examples)")
     bench = commands.add_parser("bench", help="every decoding mode side by side, measured against greedy")
     _add_bench_arguments(bench)
+    generate = commands.add_parser(
+        "generate", help="a whole corpus, in sorted batches, resumable; data parallel under accelerate launch"
+    )
+    _add_generate_arguments(generate)
     args = parser.parse_args(argv)
+    if args.command == "generate":
+        return run_generate_command(args)
     if args.command == "bench":
         _check_bench_arguments(bench, args)
         return run_bench_command(args)

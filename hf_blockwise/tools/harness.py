@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from hf_blockwise.generation.engine import engine_of
+from hf_blockwise.engine import engine_of
 from hf_blockwise.tools.audio import word_error_rate
 
 Batch = dict[str, torch.Tensor]

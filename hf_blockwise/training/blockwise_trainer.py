@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForSeq2SeqLM
-from transformers.trainer import TRAINING_ARGS_NAME
 
+from hf_blockwise.boundary.trainer import TRAINING_ARGS_NAME
 from hf_blockwise.modeling.config import CONFIG_NAME
 from hf_blockwise.modeling.model import ADAPTER_WEIGHTS_NAME, WEIGHTS_NAME, BlockwiseHeadsModel
 from hf_blockwise.training.blockwise_config import BlockwiseTrainingArguments

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from transformers.trainer import TRAINING_ARGS_NAME
 
+from hf_blockwise.boundary.trainer import TRAINING_ARGS_NAME
 from hf_blockwise.modeling.config import FEATURE_DRAFTER_CONFIG_NAME
 from hf_blockwise.modeling.feature_model import FEATURE_DRAFTER_WEIGHTS_NAME, FeatureDrafterModel
 from hf_blockwise.training.common import Seq2SeqPadCollator, StepMetricsTrainer

@@ -1,0 +1,168 @@
+"""Every contact with transformers' generation internals, and every model quirk, in one package.
+
+hf_blockwise plugs its decoding loop into `GenerationMixin.generate` as a callable `custom_generate`, so
+transformers does all the preparation (generation config merging, encoder pass, decoder start tokens,
+logits processors, stopping criteria, KV cache) and this package only replaces the decoding loop. What
+that loop needs from transformers beyond public API is collected here and tested against the pinned
+range below (`pyproject.toml`): when transformers changes, this is the one package to revisit.
+
+Modules, each importing only those listed before it (and none of them this package's `__init__`):
+
+- `models`: where a transformers seq2seq model keeps what the loop and the heads need: `BaseModelWrapper` and
+  `unwrap_base`, decoder config, layer count, FFN width, MoE capacity, encoder width and input name, token
+  embeddings and the shared-vocabulary check, the output projection (captured input, selected columns, logit bias,
+  shortlist rows), and `decoder_forward`.
+- `cache`: the croppable dynamic cache of the loop, the static caches of the compiled engine, and cropping and row
+  selection for both.
+- `processors`: transformers' stopping criteria (`StopRules`) and logits processors, as a blockwise step uses them.
+- `probes`: the tiny probe batch (`probe_inputs`, random encoder states for speech and vision encoders) and
+  `check_output_projection`.
+- `media`: speech and vision specifics: the encoder-output mask, the probe for decoders that read no frame mask
+  (Whisper), and the Whisper segment options that blockwise decoding refuses.
+- `inputs`: position limits and the input checks that turn deep failures into clear errors.
+- `hub`: checkpoint files and local-path checks, an adapter's recorded base, `load_encoder_decoder`,
+  `save_shipped_model`.
+- `generate_call`: the `custom_generate` calling convention: `adapt_generate_call` (validation, `GenerateCall`),
+  the decoder forward's kwargs and their row selection, the streamer lookup, `BlockwiseGenerateOutput`.
+- `trainer`: what the trainers take from transformers' `Trainer` (`TRAINING_ARGS_NAME`); not re-exported here,
+  so that importing hf_blockwise does not import `transformers.trainer`.
+
+Everything public of the first eight is re-exported here: `from hf_blockwise import boundary as hf; hf.crop_cache`
+and `from hf_blockwise.boundary import crop_cache` both work. Patch a name in the module that looks it up
+(`hf_blockwise.boundary.cache.crop_cache`), not here.
+"""
+
+from hf_blockwise.boundary.cache import (
+    crop_cache,
+    is_static_cache,
+    loop_decoder_cache,
+    new_decoder_cache,
+    select_cache_rows,
+    static_cache_capacity,
+    static_cache_mask,
+    static_decoder_cache,
+    unpin_static_cache,
+)
+from hf_blockwise.boundary.generate_call import (
+    BlockwiseGenerateOutput,
+    GenerateCall,
+    adapt_generate_call,
+    decoder_prompt_kwargs,
+    encoder_hidden_states,
+    forward_kwargs,
+    pad_token_tensor,
+    select_forward_rows,
+    streamer_from_generate_call,
+    validate_generation_config,
+)
+from hf_blockwise.boundary.hub import (
+    adapter_base,
+    base_location,
+    check_local_path,
+    has_file,
+    load_encoder_decoder,
+    resolve_file,
+    resolved_base_location,
+    save_shipped_model,
+    warn_if_other_base,
+)
+from hf_blockwise.boundary.inputs import (
+    check_decoder_length,
+    check_generate_inputs,
+    decoder_position_limit,
+    position_limit,
+)
+from hf_blockwise.boundary.media import decoder_reads_frame_mask, encoder_output_mask, validate_segment_options
+from hf_blockwise.boundary.models import (
+    BaseModelWrapper,
+    capture_output_projection_input,
+    check_shared_vocabulary,
+    decoder_config,
+    decoder_ffn_width,
+    decoder_forward,
+    decoder_input_embeddings,
+    decoder_layer_count,
+    encoder_decoder_only,
+    encoder_hidden_size,
+    encoder_input_name,
+    expert_capacity_limit,
+    input_embeddings,
+    model_name,
+    output_projection_logits,
+    project_columns,
+    shortlist_projection,
+    unwrap_base,
+)
+from hf_blockwise.boundary.probes import ProbeInputs, check_output_projection, probe_inputs
+from hf_blockwise.boundary.processors import (
+    StopRules,
+    processor_acts_at,
+    processor_ignores_prefix,
+    split_stopping_criteria,
+)
+
+TESTED_TRANSFORMERS_RANGE = ">=5.23,<5.24"
+
+__all__ = [
+    "TESTED_TRANSFORMERS_RANGE",
+    "BaseModelWrapper",
+    "BlockwiseGenerateOutput",
+    "GenerateCall",
+    "ProbeInputs",
+    "StopRules",
+    "adapt_generate_call",
+    "adapter_base",
+    "base_location",
+    "capture_output_projection_input",
+    "check_decoder_length",
+    "check_generate_inputs",
+    "check_local_path",
+    "check_output_projection",
+    "check_shared_vocabulary",
+    "crop_cache",
+    "decoder_config",
+    "decoder_ffn_width",
+    "decoder_forward",
+    "decoder_input_embeddings",
+    "decoder_layer_count",
+    "decoder_position_limit",
+    "decoder_prompt_kwargs",
+    "decoder_reads_frame_mask",
+    "encoder_decoder_only",
+    "encoder_hidden_size",
+    "encoder_hidden_states",
+    "encoder_input_name",
+    "encoder_output_mask",
+    "expert_capacity_limit",
+    "forward_kwargs",
+    "has_file",
+    "input_embeddings",
+    "is_static_cache",
+    "load_encoder_decoder",
+    "loop_decoder_cache",
+    "model_name",
+    "new_decoder_cache",
+    "output_projection_logits",
+    "pad_token_tensor",
+    "position_limit",
+    "probe_inputs",
+    "processor_acts_at",
+    "processor_ignores_prefix",
+    "project_columns",
+    "resolve_file",
+    "resolved_base_location",
+    "save_shipped_model",
+    "select_cache_rows",
+    "select_forward_rows",
+    "shortlist_projection",
+    "split_stopping_criteria",
+    "static_cache_capacity",
+    "static_cache_mask",
+    "static_decoder_cache",
+    "streamer_from_generate_call",
+    "unpin_static_cache",
+    "unwrap_base",
+    "validate_generation_config",
+    "validate_segment_options",
+    "warn_if_other_base",
+]

@@ -1,0 +1,114 @@
+"""The decoder KV caches the loop decodes with, and what a blockwise step does to them.
+
+A dynamic cache whose self-attention layers can all be cropped, for the eager loop ([`new_decoder_cache`],
+[`loop_decoder_cache`], which also checks the one `generate` prepared); preallocated static self-attention buffers
+for the compiled engine ([`static_decoder_cache`], with its capacity, attention mask and unpinning); and, for
+either, cropping back to the verified length ([`crop_cache`]) and keeping only the rows still decoding
+([`select_cache_rows`]).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache, StaticLayer
+
+
+def new_decoder_cache() -> EncoderDecoderCache:
+    """An empty dynamic encoder-decoder cache whose self-attention layers can all be cropped.
+
+    Built without the model's config on purpose: with one, transformers gives sliding-window layers
+    (T5Gemma) a rolling buffer that cannot be cropped back once it is full. Plain layers keep every
+    position; the model's attention mask still applies the sliding window, so the logits are the same.
+    """
+    return EncoderDecoderCache(DynamicCache(), DynamicCache())
+
+
+def loop_decoder_cache(model_kwargs: dict[str, Any]) -> EncoderDecoderCache:
+    """Checks that `generate` prepared an empty cache, and returns a croppable one to decode with instead."""
+    cache = model_kwargs.get("past_key_values")
+    if cache is not None and not isinstance(cache, Cache):
+        raise ValueError(f"Blockwise decoding needs a transformers Cache, got {type(cache).__name__}")
+    if cache is not None and cache.get_seq_length() != 0:
+        raise ValueError("Blockwise decoding starts from an empty cache; a pre-filled past_key_values was passed")
+    return new_decoder_cache()
+
+
+def crop_cache(cache: Cache, length: int) -> None:
+    """Crops the decoder self-attention cache to its first `length` positions (cross-attention is kept).
+
+    A static cache ([`static_decoder_cache`]) is cropped by moving its write position back, with no host read:
+    the entries past it stay in the buffer, where causal attention hides them until they are overwritten.
+    """
+    if is_static_cache(cache):
+        for layer in cache.self_attention_cache.layers:
+            layer.cumulative_length.fill_(length)
+        return
+    current = cache.get_seq_length()
+    if length < current:
+        cache.crop(length - current)
+
+
+def select_cache_rows(cache: EncoderDecoderCache, rows: torch.Tensor) -> None:
+    """Keeps only `rows` (batch indices, shape `(num_rows,)`) of the cache, in place, self- and cross-attention."""
+    if not is_static_cache(cache):
+        cache.batch_select_indices(rows)
+        return
+    for layer in cache.self_attention_cache.layers:  # transformers selects rows of dynamic caches only
+        layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+    cache.cross_attention_cache.batch_select_indices(rows)
+
+
+def static_decoder_cache(num_layers: int, max_cache_len: int) -> EncoderDecoderCache:
+    """An encoder-decoder cache whose self-attention layers are preallocated buffers of `max_cache_len` positions
+    (transformers' `StaticLayer`, one per decoder layer), for the compiled engine.
+
+    The layers exist from the start (transformers sizes the attention mask of the first forward from them; a layer
+    created on first write would get a mask as long as the new tokens only). They are plain, not sliding-window
+    layers, which could not be cropped back: the model's mask applies any window.
+
+    Every forward then sees keys and values of the same shape, whatever the decoded length, so one compiled graph
+    serves the whole call; cropping is a write-position move ([`crop_cache`]). Cross-attention keeps a dynamic
+    cache: it is written once, by the (eager) first forward, and read unchanged afterwards.
+    """
+    layers = [StaticLayer(max_cache_len=max_cache_len) for _ in range(num_layers)]
+    return EncoderDecoderCache(Cache(layers=layers), DynamicCache())
+
+
+def static_cache_capacity(cache: EncoderDecoderCache) -> int:
+    """Positions each self-attention buffer of a [`static_decoder_cache`] holds."""
+    return cache.self_attention_cache.layers[0].max_cache_len
+
+
+def static_cache_mask(cache: EncoderDecoderCache, tokens: torch.Tensor) -> torch.Tensor:
+    """The decoder attention mask that goes with a static cache: every buffer position may be attended to as far as
+    padding goes (causal masking from the cache's write position hides the ones not written yet).
+
+    Without it, transformers' decoders build a padding mask as long as the valid positions only, while the
+    attention reads the whole buffer, and the empty slots are attended to.
+
+    Returns:
+        `torch.LongTensor` of shape `(batch_size, capacity)`.
+    """
+    return tokens.new_ones(tokens.shape[0], static_cache_capacity(cache))
+
+
+def unpin_static_cache(cache: EncoderDecoderCache) -> None:
+    """Clears the static-address marks transformers' `StaticLayer` puts on its buffers (for CUDA graphs).
+
+    Inductor's freezing turns marked inputs into constants of the graph, like the weights: the cache would then be
+    frozen at its compile-time contents. Called after the first forward, which allocates the buffers.
+    """
+    for layer in cache.self_attention_cache.layers:
+        for tensor in (layer.keys, layer.values, layer.cumulative_length):
+            if hasattr(tensor, "_dynamo_static_input_type"):
+                del tensor._dynamo_static_input_type
+
+
+def is_static_cache(cache: Cache) -> bool:
+    """Whether `cache` is one of [`static_decoder_cache`]'s."""
+    if not isinstance(cache, EncoderDecoderCache):
+        return False
+    self_attention = cache.self_attention_cache
+    return bool(self_attention.layers) and all(isinstance(layer, StaticLayer) for layer in self_attention.layers)

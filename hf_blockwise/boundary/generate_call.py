@@ -1,0 +1,243 @@
+"""The `custom_generate` calling convention: what transformers' `generate` hands the loop, and what it gets back.
+
+[`adapt_generate_call`] validates a call ([`validate_generation_config`]: greedy search with a KV cache and no
+per-step outputs; [`decoder_prompt_kwargs`]) and translates it into a [`GenerateCall`]: stopping rules, pad id, a
+croppable cache, the kwargs every decoder forward receives ([`forward_kwargs`]; [`encoder_hidden_states`] reads the
+encoder output among them, [`select_forward_rows`] keeps the rows still decoding), the source ids and
+encoder-output mask, and the streamer `generate` does not pass on ([`streamer_from_generate_call`]). The loop
+returns a [`BlockwiseGenerateOutput`].
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.cache_utils import EncoderDecoderCache
+from transformers.generation import GenerationConfig, GenerationMixin
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+from transformers.generation.utils import GenerateEncoderDecoderOutput
+from transformers.utils import ModelOutput
+
+from hf_blockwise.boundary.cache import loop_decoder_cache
+from hf_blockwise.boundary.inputs import check_decoder_length
+from hf_blockwise.boundary.media import encoder_output_mask, validate_segment_options
+from hf_blockwise.boundary.models import encoder_input_name
+from hf_blockwise.boundary.processors import StopRules, split_stopping_criteria
+
+# generate() arguments whose meaning a blockwise loop cannot keep; each maps to the reason shown.
+_UNSUPPORTED_FLAGS = {
+    "output_scores": "per-step scores",
+    "output_logits": "per-step logits",
+    "output_attentions": "attention maps",
+    "output_hidden_states": "hidden states",
+}
+
+
+def validate_generation_config(generation_config: GenerationConfig) -> None:
+    """Raises a `ValueError` naming the first `generate` argument that blockwise decoding cannot honour.
+
+    Blockwise decoding reproduces *greedy* search; every other mode (sampling, beam search, contrastive
+    search, DoLa, transformers' own assisted generation) changes what "the right output" is.
+    """
+    mode = generation_config.get_generation_mode()
+    if mode != GenerationMode.GREEDY_SEARCH:
+        raise ValueError(
+            f"Blockwise decoding reproduces greedy search, but these generate arguments select {mode.value!r} "
+            f"(do_sample={generation_config.do_sample}, num_beams={generation_config.num_beams}, "
+            f"penalty_alpha={generation_config.penalty_alpha}, "
+            f"prompt_lookup_num_tokens={generation_config.prompt_lookup_num_tokens}). Use do_sample=False and "
+            "num_beams=1, or call the base model's generate without hf_blockwise (the automatic-speech-recognition "
+            "pipeline adds num_beams=5 unless generate_kwargs or the model's generation config set num_beams)."
+        )
+    validate_segment_options(generation_config)
+    if getattr(generation_config, "dola_layers", None) is not None:
+        raise ValueError("dola_layers (DoLa decoding) is not supported by blockwise decoding")
+    if generation_config.use_cache is False:
+        raise ValueError(
+            "Blockwise decoding needs the KV cache; use_cache=False is not supported (some configs default to it, "
+            "e.g. Pix2Struct's text config: pass use_cache=True to generate)"
+        )
+    for flag, what in _UNSUPPORTED_FLAGS.items():
+        if getattr(generation_config, flag, False):
+            raise ValueError(
+                f"{flag}=True is not supported by blockwise decoding: {what} are not produced one token at a "
+                "time. Generate without it, or use the base model's greedy generate."
+            )
+    if generation_config.cache_implementation not in (None, "dynamic"):
+        raise ValueError(
+            f"cache_implementation={generation_config.cache_implementation!r} is not supported; blockwise "
+            "decoding crops a dynamic cache after every verification step"
+        )
+
+
+def decoder_prompt_kwargs(model_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The model kwargs of a `generate` call without a `decoder_attention_mask` that masks nothing.
+
+    Greedy search extends such a mask with ones, step by step, which is what attending to every decoder position
+    does. A mask with zeros (a left-padded decoder prompt) would shift each row's positions, which a blockwise
+    step does not reproduce: refused.
+    """
+    mask = model_kwargs.get("decoder_attention_mask")
+    if mask is None:
+        return model_kwargs
+    if not bool(mask.all()):
+        raise ValueError(
+            "A decoder_attention_mask with padding (decoder prompts of different lengths, left-padded) is not "
+            "supported by blockwise decoding: give every row a decoder prompt of the same length, or use the base "
+            "model's generate without hf_blockwise."
+        )
+    return {key: value for key, value in model_kwargs.items() if key != "decoder_attention_mask"}
+
+
+def pad_token_tensor(generation_config: GenerationConfig) -> torch.Tensor | None:
+    """The pad id as prepared by `generate` (it may have been set from `eos_token_id`)."""
+    return generation_config._pad_token_tensor
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """What a `custom_generate` call of transformers' `generate` hands the loop, in this package's terms.
+
+    Attributes:
+        decoder_input_ids (`torch.LongTensor` of shape `(batch_size, prompt_length)`): decoder start (and prompt).
+        stop_rules ([`StopRules`]).
+        pad_token_id (`int`, *optional*): the pad id as `generate` prepared it.
+        filler_token_id (`int`): what fills sequences and feeds after real tokens (the pad id, else 0).
+        cache: an empty croppable `EncoderDecoderCache`.
+        forward_kwargs (`dict`): what every decoder forward receives (encoder outputs, attention mask).
+        encoder_input_ids (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*).
+        encoder_attention_mask (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*).
+        streamer: the `streamer=` of the `generate` call, if any.
+    """
+
+    decoder_input_ids: torch.Tensor
+    stop_rules: StopRules
+    pad_token_id: int | None
+    filler_token_id: int
+    cache: EncoderDecoderCache
+    forward_kwargs: dict[str, Any]
+    encoder_input_ids: torch.Tensor | None
+    encoder_attention_mask: torch.Tensor | None
+    streamer: BaseStreamer | None
+
+
+def adapt_generate_call(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    synced_gpus: bool,
+    streamer: BaseStreamer | None,
+    inputs_tensor: torch.Tensor | None,
+    model_kwargs: dict[str, Any],
+) -> GenerateCall:
+    """Validates the arguments of a `custom_generate` call and translates them into a [`GenerateCall`]."""
+    if synced_gpus:
+        raise ValueError("synced_gpus=True is not supported by blockwise decoding")
+    validate_generation_config(generation_config)
+    model_kwargs = decoder_prompt_kwargs(model_kwargs)
+    rules = split_stopping_criteria(stopping_criteria, generation_config)
+    if rules.others and rules.eos_token_ids is None:
+        raise ValueError(
+            "Custom stopping criteria are supported together with an eos_token_id only: without one, greedy "
+            "search keeps extending rows that have stopped, which blockwise decoding does not reproduce"
+        )
+    check_decoder_length(model, rules.max_length, input_ids.shape[1])
+    streamer = streamer if streamer is not None else streamer_from_generate_call()
+    if streamer is not None and input_ids.shape[0] != 1:
+        raise ValueError("streamer= supports batch size 1 only, like transformers' TextStreamer")
+    pad = pad_token_tensor(generation_config)
+    pad_token_id = None if pad is None else int(pad)
+    return GenerateCall(
+        decoder_input_ids=input_ids,
+        stop_rules=rules,
+        pad_token_id=pad_token_id,
+        filler_token_id=0 if pad_token_id is None else pad_token_id,
+        cache=loop_decoder_cache(model_kwargs),
+        forward_kwargs=forward_kwargs(model_kwargs),
+        # a speech or vision encoder's inputs are not token ids that a drafter could copy
+        encoder_input_ids=inputs_tensor if encoder_input_name(model) == "input_ids" else None,
+        encoder_attention_mask=encoder_output_mask(
+            model, encoder_hidden_states(model_kwargs), model_kwargs.get("attention_mask")
+        ),
+        streamer=streamer,
+    )
+
+
+# Arguments that `generate` leaves in `model_kwargs` and that a decoder forward must not receive again. `labels`: a
+# processor's training targets, which `generate` passes on (the image-text-to-text pipeline with DonutProcessor
+# does); greedy search's forward computes an unused loss over its one-token feeds, which a wider feed breaks.
+_GENERATE_ONLY_KWARGS = {"use_cache", "past_key_values", "logits_to_keep", "output_attentions",
+                         "output_hidden_states", "return_dict", "decoder_input_ids", "cache_position",
+                         "labels"}  # fmt: skip
+
+
+def forward_kwargs(model_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The model kwargs of `generate` that every decoder forward receives unchanged (encoder outputs, mask)."""
+    return {key: value for key, value in model_kwargs.items() if key not in _GENERATE_ONLY_KWARGS}
+
+
+def encoder_hidden_states(kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The encoder output among a decoder forward's kwargs (computed once per `generate` call), if any."""
+    outputs = kwargs.get("encoder_outputs")
+    if outputs is None:
+        return None
+    return outputs[0] if isinstance(outputs, (tuple, list)) else outputs.last_hidden_state
+
+
+def select_forward_rows(kwargs: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
+    """The decoder forward's fixed inputs (encoder output, attention mask) for `rows` of the batch only."""
+
+    def select(key: str, value: Any) -> Any:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, torch.Tensor):
+            return value.index_select(0, rows)
+        if isinstance(value, ModelOutput):
+            return type(value)(**{name: select(key, item) for name, item in value.items()})
+        if isinstance(value, tuple):
+            return tuple(select(key, item) for item in value)
+        raise ValueError(
+            f"Blockwise decoding drops finished rows from the batch but cannot select rows of the generate "
+            f"argument {key!r} ({type(value).__name__})"
+        )
+
+    return {key: select(key, value) for key, value in kwargs.items()}
+
+
+def streamer_from_generate_call() -> BaseStreamer | None:
+    """The `streamer` passed to the `GenerationMixin.generate` call that is running this loop, if any.
+
+    transformers 5.23 passes a callable `custom_generate` only the keyword arguments that its signature adds
+    to `_sample`'s; `streamer` is not one of them, so it is dropped after the prompt was already streamed.
+    Without this, a `TextIteratorStreamer` consumer would wait forever for tokens and the end signal.
+    """
+    frame = inspect.currentframe()
+    try:
+        caller = frame.f_back if frame is not None else None
+        while caller is not None:
+            if caller.f_code is GenerationMixin.generate.__wrapped__.__code__:
+                return caller.f_locals.get("streamer")
+            caller = caller.f_back
+        return None
+    finally:
+        del frame
+
+
+@dataclass
+class BlockwiseGenerateOutput(GenerateEncoderDecoderOutput):
+    """[`~generation.GenerateEncoderDecoderOutput`] plus the statistics of a blockwise decoding run.
+
+    `past_key_values` is left `None`: rows end a blockwise run with caches of different valid lengths.
+
+    Attributes:
+        decoding_stats ([`DecodingStats`]): decoder forwards, tokens accepted per step and row, mean block.
+    """
+
+    decoding_stats: Any = None

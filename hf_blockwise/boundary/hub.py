@@ -1,0 +1,173 @@
+"""Checkpoint locations, loading and saving: local directories and hub ids.
+
+A checkpoint's files ([`has_file`], [`resolve_file`]) and a clear error for local-looking paths that do not exist
+([`check_local_path`]); where an adapter's (heads', drafter's) recorded base is, and the base it attaches to
+([`base_location`], [`resolved_base_location`], [`warn_if_other_base`], [`adapter_base`]); the auto class that
+loads an encoder-decoder checkpoint ([`load_encoder_decoder`]); and the format of the models shipped in the
+repository ([`save_shipped_model`]).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForImageTextToText,
+    AutoModelForSeq2SeqLM,
+    AutoModelForSpeechSeq2Seq,
+    PreTrainedModel,
+)
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+)
+from transformers.utils import cached_file
+
+from hf_blockwise.boundary.models import unwrap_base
+from hf_blockwise.serialization import atomic_write_text
+
+
+def has_file(name_or_path: str | os.PathLike, filename: str) -> bool:
+    check_local_path(name_or_path, "no model")
+    if os.path.isdir(name_or_path):
+        return os.path.isfile(os.path.join(name_or_path, filename))
+    return cached_file(str(name_or_path), filename, _raise_exceptions_for_missing_entries=False) is not None
+
+
+def resolve_file(name_or_path: str | os.PathLike, filename: str) -> str:
+    check_local_path(name_or_path, "no model")
+    path = os.path.join(name_or_path, filename)
+    if os.path.isdir(name_or_path):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"{name_or_path} holds no {filename}; is it a directory written by save_pretrained?"
+            )
+        return path
+    resolved = cached_file(str(name_or_path), filename)
+    if resolved is None:
+        raise FileNotFoundError(f"{name_or_path} holds no {filename}")
+    return resolved
+
+
+def check_local_path(name_or_path: str | os.PathLike, what: str) -> None:
+    """A `ValueError` for a location that looks like a local directory but is none, instead of the hub's "couldn't
+    connect" or "not a valid model identifier" message. Local-looking: absolute, starting with `.` or `~`, with a
+    backslash or more than one `/`, or whose first part is an existing local directory (`checkpoints/hedas`);
+    anything else may be a hub id (`org/name`) and is left to transformers."""
+    text = os.fspath(name_or_path)
+    if os.path.isdir(text):
+        return
+    first = text.replace("\\", "/").split("/")[0]
+    looks_local = (
+        os.path.isabs(text)
+        or text.startswith((".", "~"))
+        or "\\" in text
+        or text.count("/") > 1
+        or (first != text and os.path.isdir(first))
+    )
+    if looks_local:
+        where = os.path.abspath(os.path.expanduser(text))
+        kind = "a file, not a directory" if os.path.isfile(where) else "no such directory"
+        raise ValueError(f"{what} {text!r}: {kind} ({where}); check the path (hub ids have the form 'org/name')")
+
+
+def base_location(heads_name_or_path: str | os.PathLike, base_name_or_path: str) -> str:
+    """A relative base path is looked up beside the heads first, so a directory holding both (e.g. with
+    `base_model_name_or_path="."`) can be moved or shipped as one piece."""
+    beside_heads = os.path.join(heads_name_or_path, base_name_or_path)
+    if not os.path.isabs(base_name_or_path) and os.path.isfile(os.path.join(beside_heads, "config.json")):
+        return beside_heads
+    return base_name_or_path
+
+
+def resolved_base_location(adapter_name_or_path: str | os.PathLike, base_name_or_path: str | None) -> str | None:
+    """Where an adapter's (heads', drafter's) recorded base is: [`base_location`], made absolute when it is a local
+    directory, so that the adapter re-saved anywhere still names a base that resolves (a bare `"."` would be
+    read against the current directory)."""
+    if base_name_or_path is None:
+        return None
+    location = base_location(adapter_name_or_path, base_name_or_path)
+    return os.path.abspath(location) if os.path.isdir(location) else location
+
+
+def warn_if_other_base(recorded: str | None, base_model: nn.Module, what: str) -> None:
+    """Warns when an adapter trained for one named base is attached to a model loaded from another: same shapes
+    are not the same model, and its drafts would rarely be accepted (decoding stays exact). Local directories are
+    compared by their real paths, hub names as written."""
+    actual = getattr(base_model, "name_or_path", "") or ""
+    if not recorded or not actual:
+        return
+    if os.path.isdir(recorded) and os.path.isdir(actual):
+        same = os.path.realpath(recorded) == os.path.realpath(actual)
+    else:
+        same = recorded.rstrip("/") == actual.rstrip("/")
+    if not same:
+        warnings.warn(
+            f"These {what} were trained for base {recorded!r} and are attached to {actual!r}: decoding stays exact, "
+            "but their drafts will rarely be accepted unless the two are the same model",
+            stacklevel=4,
+        )
+
+
+def adapter_base(
+    adapter_name_or_path: str | os.PathLike,
+    recorded: str | None,
+    base_model: nn.Module | None,
+    what: str,
+    base_model_kwargs: dict[str, Any],
+) -> tuple[str | None, nn.Module]:
+    """The base an adapter (heads, feature drafter) attaches to, and where its config says that base is.
+
+    With `base_model` given, that one, with a warning when the adapter was trained for another named base
+    ([`warn_if_other_base`]); else the recorded base ([`resolved_base_location`]) loaded with
+    [`load_encoder_decoder`]`(location, **base_model_kwargs)`.
+    """
+    location = resolved_base_location(adapter_name_or_path, recorded)
+    if base_model is not None:
+        warn_if_other_base(location, unwrap_base(base_model), what)
+        return location, base_model
+    if location is None:
+        raise ValueError(
+            f"{adapter_name_or_path} names no base checkpoint (base_model_name_or_path is null); pass base_model= "
+            "explicitly"
+        )
+    check_local_path(location, "the recorded base model (pass base_model= to attach one)")
+    return location, load_encoder_decoder(location, **base_model_kwargs)
+
+
+def load_encoder_decoder(location: str | os.PathLike, **kwargs: Any) -> PreTrainedModel:
+    """An encoder-decoder checkpoint through the auto class its config's `model_type` maps to: speech (Whisper,
+    Speech2Text, `SpeechEncoderDecoderModel`), image-text (`VisionEncoderDecoderModel`, Pix2Struct) or, for every
+    other type, `AutoModelForSeq2SeqLM` (whose error names a type it cannot load)."""
+    model_type = AutoConfig.from_pretrained(location).model_type
+    if model_type in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES:
+        return AutoModelForSpeechSeq2Seq.from_pretrained(location, **kwargs)
+    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText.from_pretrained(location, **kwargs)
+    return AutoModelForSeq2SeqLM.from_pretrained(location, **kwargs)
+
+
+def save_shipped_model(model: PreTrainedModel, directory: str | os.PathLike) -> None:
+    """Saves a model to ship in the repository: fp16 weights (half the size), a config that makes plain
+    `from_pretrained` load it as float32 (fp16 is slow and erratic on CPUs), and a generation config that limits
+    new tokens rather than the total length, so that `generate(max_new_tokens=...)` warns about nothing."""
+    model.to(torch.float16).save_pretrained(directory)
+    model.to(torch.float32)
+    config_path = os.path.join(directory, "config.json")
+    with open(config_path, encoding="utf-8") as handle:
+        config = json.load(handle)
+    config["dtype"] = "float32"
+    atomic_write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    generation_path = os.path.join(directory, "generation_config.json")
+    if os.path.isfile(generation_path):
+        with open(generation_path, encoding="utf-8") as handle:
+            generation = json.load(handle)
+        if "max_length" in generation:
+            generation["max_new_tokens"] = generation.pop("max_length")
+        atomic_write_text(generation_path, json.dumps(generation, indent=2, sort_keys=True) + "\n")

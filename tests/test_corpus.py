@@ -1,0 +1,245 @@
+"""`hf-blockwise generate` / `generate_corpus`: exact line for line, every input kind, resumable after kills, the
+same output from two `accelerate launch` processes, and clear refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from conftest import build_model, word_tokenizer
+
+from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, FeatureDrafterConfig, FeatureDrafterModel
+from hf_blockwise.tools.cli import main
+from hf_blockwise.tools.corpus import generate_corpus, plan_batches, read_sources
+from hf_blockwise.tools.corpus.planning import chunks_of_shard
+
+MAX_NEW_TOKENS = 16
+REPO = Path(__file__).resolve().parents[1]
+
+
+def random_sources(count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(f"w{rng.randrange(3, 64)}" for _ in range(rng.randint(1, 14))) for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny Marian with a word tokenizer, random proposal heads (often wrong) and an untrained feature drafter."""
+    directory = tmp_path_factory.mktemp("model")
+    base = build_model("marian", seed=3)
+    base.generation_config.max_length = None
+    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3))
+    torch.nn.init.normal_(model.heads.down.weight, std=1.0)
+    base.save_pretrained(directory)
+    word_tokenizer().save_pretrained(directory)
+    model.save_pretrained(directory, base_model_name_or_path=".")
+    FeatureDrafterModel(base, FeatureDrafterConfig(block_size=4)).save_pretrained(
+        directory / "feature-drafter", base_model_name_or_path=".."
+    )
+    return directory
+
+
+def greedy_in_the_same_batches(model_dir: Path, sources: list[str], batch_size: int, chunk_size: int) -> list[str]:
+    """transformers' greedy `generate` over the batches the job plans, put back in input order: the exact reference
+    (the same batches rule out floating-point differences of other paddings)."""
+    base, tokenizer = BlockwiseHeadsModel.from_pretrained(model_dir).base_model, word_tokenizer()
+    outputs: dict[int, str] = {}
+    for chunk in chunks_of_shard(len(sources), chunk_size, 1, 0):
+        encoded = tokenizer([sources[i] for i in chunk])["input_ids"]
+        for batch in plan_batches([len(ids) for ids in encoded], batch_size):
+            padded = tokenizer.pad({"input_ids": [encoded[i] for i in batch]}, return_tensors="pt")
+            sequences = base.generate(**padded, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, num_beams=1)
+            for index, text in zip(batch, tokenizer.batch_decode(sequences, skip_special_tokens=True), strict=True):
+                outputs[chunk.start + index] = text
+    return [outputs[index] for index in range(len(sources))]
+
+
+def test_batches_are_sorted_and_kept_under_the_token_budget() -> None:
+    lengths = [3, 9, 1, 9, 4, 7, 2]
+    assert plan_batches(lengths, 3) == [[1, 3, 5], [4, 0, 6], [2]]
+    batches = plan_batches(lengths, 8, max_batch_tokens=18)
+    assert batches == [[1, 3], [5, 4], [0, 6, 2]]
+    assert all(max(lengths[i] for i in batch) * len(batch) <= 18 for batch in batches)
+    assert plan_batches([30, 2], 4, max_batch_tokens=10) == [[0], [1]]  # too long for the budget: alone
+    assert [list(chunk) for chunk in chunks_of_shard(10, 3, 2, 1)] == [[3, 4, 5], [9]]
+
+
+@pytest.mark.parametrize("drafter", ["auto", "none", "heads", "feature", "input_copy", "composite"])
+def test_every_drafter_gives_greedys_output_line_for_line(tmp_path, model_dir, drafter: str) -> None:
+    sources = random_sources(40, seed=1)
+    (tmp_path / "in.txt").write_text("\n".join(sources) + "\n")
+    report = generate_corpus(
+        str(model_dir), str(tmp_path / "in.txt"), tmp_path / "out.txt", drafter=drafter, batch_size=4,
+        chunk_size=16, max_new_tokens=MAX_NEW_TOKENS, progress=False,
+    )  # fmt: skip
+    expected = greedy_in_the_same_batches(model_dir, sources, batch_size=4, chunk_size=16)
+    assert (tmp_path / "out.txt").read_text().splitlines() == expected
+    assert report.lines == 40 and report.new_tokens > 0 and report.row_calls > 0
+    assert report.drafter == ("composite" if drafter == "auto" else drafter)
+
+
+def test_token_budget_jsonl_stats_and_datasets(tmp_path, model_dir) -> None:
+    sources = random_sources(30, seed=2)
+    records = [{"id": i, "src": text} for i, text in enumerate(sources)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    arguments = {"batch_size": 8, "chunk_size": 12, "max_new_tokens": MAX_NEW_TOKENS, "progress": False}
+    generate_corpus(str(model_dir), sources, tmp_path / "plain.txt", **arguments)
+    plain = (tmp_path / "plain.txt").read_text().splitlines()
+    assert plain == greedy_in_the_same_batches(model_dir, sources, batch_size=8, chunk_size=12)
+
+    report = generate_corpus(
+        str(model_dir), str(tmp_path / "in.jsonl"), tmp_path / "out.jsonl", column="src", stats=True,
+        max_batch_tokens=40, **arguments,
+    )  # fmt: skip
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [line["index"] for line in lines] == list(range(30))
+    assert all(line["decoder_calls"] >= 1 and line["new_tokens"] >= line["decoder_calls"] for line in lines)
+    assert sum(line["new_tokens"] for line in lines) == report.new_tokens
+    # another batching may round differently in theory; on this model every line is the same
+    assert [line["output"] for line in lines] == plain
+
+    dataset = datasets.Dataset.from_dict({"src": sources, "other": list(range(30))})
+    generate_corpus(str(model_dir), dataset, tmp_path / "from-dataset.txt", column="src", **arguments)
+    datasets.DatasetDict({"validation": dataset}).save_to_disk(tmp_path / "saved")
+    generate_corpus(
+        str(model_dir), str(tmp_path / "saved"), tmp_path / "from-disk.txt", column="src", split="validation",
+        **arguments,
+    )  # fmt: skip
+    for name in ("from-dataset.txt", "from-disk.txt"):
+        assert (tmp_path / name).read_text().splitlines() == plain
+
+
+def test_inputs_and_outputs_are_refused_clearly(tmp_path, model_dir) -> None:
+    (tmp_path / "in.txt").write_text("w5 w6\nw7\n")
+    (tmp_path / "in.jsonl").write_text('{"src": "w5"}\n{"text": "w6"}\n')
+    (tmp_path / "empty.txt").write_text("")
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"src": ["w5"]})}).save_to_disk(tmp_path / "saved")
+    with pytest.raises(ValueError, match="is empty"):
+        read_sources(str(tmp_path / "empty.txt"), None, None)
+    with pytest.raises(ValueError, match=r"text file .* no column 'src'"):
+        read_sources(str(tmp_path / "in.txt"), "src", None)
+    with pytest.raises(ValueError, match=r"line 2: no field 'src' \(it has \['text'\]\)"):
+        read_sources(str(tmp_path / "in.jsonl"), "src", None)
+    with pytest.raises(ValueError, match=r"no column 'text'; its columns are \['src'\]"):
+        read_sources(str(tmp_path / "saved"), "text", "train")
+    with pytest.raises(ValueError, match=r"has splits \['train'\]"):
+        read_sources(str(tmp_path / "saved"), "src", None)
+    with pytest.raises(ValueError, match="not a string"):
+        read_sources(["w5", None], None, None)
+    with pytest.raises(ValueError, match=r"missing/file.txt: no such file"):
+        read_sources(str(tmp_path / "missing" / "file.txt"), None, None)
+
+    arguments = {"max_new_tokens": MAX_NEW_TOKENS, "progress": False}
+    (tmp_path / "foreign.txt").write_text("someone else's work\n")
+    with pytest.raises(ValueError, match="was not written by hf-blockwise generate"):
+        generate_corpus(str(model_dir), str(tmp_path / "in.txt"), tmp_path / "foreign.txt", **arguments)
+    assert (tmp_path / "foreign.txt").read_text() == "someone else's work\n"  # left as it was
+    generate_corpus(str(model_dir), str(tmp_path / "in.txt"), tmp_path / "out.txt", batch_size=2, **arguments)
+    with pytest.raises(ValueError, match=r"belongs to another run: .*batch_size 2 \(now 4\)"):
+        generate_corpus(str(model_dir), str(tmp_path / "in.txt"), tmp_path / "out.txt", batch_size=4, **arguments)
+    generate_corpus(
+        str(model_dir), str(tmp_path / "in.txt"), tmp_path / "out.txt", batch_size=4, overwrite=True, **arguments
+    )
+    with pytest.raises(ValueError, match=r"use a \.jsonl output"):
+        generate_corpus(str(model_dir), ["w5"], tmp_path / "stats.txt", stats=True, **arguments)
+    with pytest.raises(ValueError, match="unknown drafter 'fast'"):
+        generate_corpus(str(model_dir), ["w5"], tmp_path / "x.txt", drafter="fast", **arguments)
+    with pytest.raises(SystemExit, match=r"hf-blockwise generate: .*empty"):
+        main(["generate", "--model", str(model_dir), "--input", str(tmp_path / "empty.txt"), "--output", "o.txt"])
+
+
+def test_sources_longer_than_the_positions_fail_or_are_skipped(tmp_path, model_dir) -> None:
+    long_source = " ".join(["w9"] * 200)  # the tiny Marian has 128 positions
+    sources = ["w5 w6", long_source, "w7"]
+    arguments = {"max_new_tokens": MAX_NEW_TOKENS, "progress": False}
+    with pytest.raises(ValueError, match=r"201 tokens; the model has positions for 128.*--on-long skip"):
+        generate_corpus(str(model_dir), sources, tmp_path / "fail.txt", **arguments)
+    with pytest.warns(UserWarning, match="1 sources were longer"):
+        report = generate_corpus(str(model_dir), sources, tmp_path / "skip.jsonl", on_long="skip", **arguments)
+    lines = [json.loads(line) for line in (tmp_path / "skip.jsonl").read_text().splitlines()]
+    assert lines[1] == {
+        "index": 1,
+        "output": None,
+        "skipped": "the source has 201 tokens; the model has positions for 128",
+    }
+    assert lines[0]["output"] and report.skipped == 1
+
+
+def generate_command(model_dir: Path, source: Path, output: Path, *extra: str) -> list[str]:
+    return [
+        "-m", "hf_blockwise.tools.cli", "generate", "--model", str(model_dir), "--input", str(source), "--output",
+        str(output), "--batch-size", "4", "--chunk-size", "8", "--max-new-tokens", str(MAX_NEW_TOKENS),
+        "--threads", "1", "--no-progress", *extra,
+    ]  # fmt: skip
+
+
+def test_a_run_killed_five_times_resumes_to_the_same_bytes(tmp_path, model_dir) -> None:
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(random_sources(240, seed=4)) + "\n")
+    environment = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    rng = random.Random(0)
+    progress_file = tmp_path / "out.txt.progress.json"
+    interrupted = 0
+    for _ in range(5):
+        done = json.loads(progress_file.read_text())["lines"] if progress_file.exists() else 0
+        target = done + rng.randrange(8, 40)  # lines to wait for before the kill, then a random few milliseconds
+        process = subprocess.Popen(
+            [sys.executable, *generate_command(model_dir, source, tmp_path / "out.txt")], env=environment, cwd=tmp_path
+        )
+        deadline = time.monotonic() + 120
+        while process.poll() is None and time.monotonic() < deadline:
+            if progress_file.exists() and json.loads(progress_file.read_text() or '{"lines": 0}')["lines"] >= target:
+                time.sleep(rng.uniform(0, 0.05))
+                break
+            time.sleep(0.005)
+        process.send_signal(signal.SIGKILL)
+        interrupted += process.wait() == -signal.SIGKILL
+    assert interrupted >= 3, "the kills must land while the job runs"
+    partial = json.loads(progress_file.read_text())
+    assert 0 < partial["lines"] < 240 and not partial["complete"]
+    with open(tmp_path / "out.txt", "ab") as handle:  # a kill in the middle of an append leaves a torn line
+        handle.write(b"half a li")
+    assert subprocess.run([sys.executable, *generate_command(model_dir, source, tmp_path / "out.txt")],
+                          env=environment, cwd=tmp_path).returncode == 0  # fmt: skip
+    subprocess.run(
+        [sys.executable, *generate_command(model_dir, source, tmp_path / "once.txt")], env=environment, check=True
+    )
+    assert (tmp_path / "out.txt").read_bytes() == (tmp_path / "once.txt").read_bytes()
+    assert json.loads(progress_file.read_text())["complete"]
+
+
+def test_two_accelerate_processes_write_what_one_process_writes(tmp_path, model_dir) -> None:
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(random_sources(50, seed=5)) + "\n")
+    environment = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    launch = [
+        sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533",
+    ]  # fmt: skip
+    run = subprocess.run(
+        [*launch, *generate_command(model_dir, source, tmp_path / "two.txt")],
+        env=environment, cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    subprocess.run(
+        [sys.executable, *generate_command(model_dir, source, tmp_path / "one.txt")], env=environment, check=True
+    )
+    assert (tmp_path / "two.txt").read_bytes() == (tmp_path / "one.txt").read_bytes()
+    assert not list(tmp_path.glob("two.txt.shard*"))  # merged and removed
+    progress = json.loads((tmp_path / "two.txt.progress.json").read_text())
+    assert progress["complete"] and progress["lines"] == 50
+    # a finished output is recognized whatever the number of processes: nothing is decoded again
+    rerun = subprocess.run(
+        [sys.executable, *generate_command(model_dir, source, tmp_path / "two.txt")],
+        env=environment, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert "0 lines decoded (50 already there" in rerun.stdout
