@@ -99,8 +99,20 @@ hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.
     --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 300 --batch-sizes 1 --threads 1 \
     --modes greedy heads feature greedy_int8 ct2 ct2_int8 --out docs/bench/multi30k-ct2-1thread
 # speech (issue 19): the loop's ceiling (oracle drafts) on the speech recipe's Whisper-architecture model
-# (checkpoints/speech-en/model, not shipped: it does not transcribe yet) over its held-out synthetic utterances,
+# (checkpoints/speech-en/model: the recipe's last run) over its held-out synthetic utterances,
 # written by training/train_speech.py into checkpoints/speech-en/heldout-audio
 hf-blockwise bench --model checkpoints/speech-en/model --audio-folder checkpoints/speech-en/heldout-audio \
     --sentences 96 --batch-sizes 1 8 --threads 2 --oracle-block-sizes 4 8 --max-new-tokens 60 \
     --modes greedy greedy_compiled oracle oracle_compiled --out docs/bench/speech-en-oracle
+# the shipped speech model (step 5 of the recipe) and its feature drafter, batches 1 and 8, with the ceiling at k = 5
+hf-blockwise bench --model hf_blockwise/pretrained/speech-en --audio-folder checkpoints/speech-en/heldout-audio \
+    --sentences 96 --batch-sizes 1 8 --threads 2 --oracle-block-sizes 5 --max-new-tokens 60 \
+    --modes greedy greedy_compiled feature feature_compiled feature_k3_compiled oracle_compiled --out docs/bench/speech-en
+# corpus throughput (issue 20): hf-blockwise generate's sorted batches and drafters against a naive unsorted greedy
+# loop at batch 1, 16 and 64 and a token budget, on Europarl validation, Multi30k train sources, and W&I dev (IAD)
+python scripts/corpus_bench.py --model $mt --input $data/europarl_de_en/validation.en --lines 300 --compile \
+    --batch-sizes 1 16 64 --drafters none auto feature --max-batch-tokens 1024 --out docs/bench/corpus-europarl
+python scripts/corpus_bench.py --model $mt --input $data/multi30k/train.en.gz --lines 400 --compile \
+    --batch-sizes 1 16 64 --drafters none auto --max-batch-tokens 1024 --out docs/bench/corpus-multi30k-train
+python scripts/corpus_bench.py --model $gec --input $data/gec_wi_locness/dev.src.gz --lines 400 --compile \
+    --batch-sizes 1 16 64 --drafters none input_copy feature auto --max-batch-tokens 1024 --out docs/bench/corpus-wi-dev

@@ -115,6 +115,13 @@ def test_asr_demo_prints_identical_transcripts(tiny_whisper_dir, capsys) -> None
     assert "no speech model at" in capsys.readouterr().err
 
 
+def test_the_shipped_speech_model_demo_runs_offline(capsys) -> None:
+    """`hf-blockwise demo --task asr` on the shipped model, its feature drafter and clips: identical transcripts."""
+    assert main(["demo", "--task", "asr", "--repeats", "1", "--no-compile"]) == 0
+    output = capsys.readouterr().out
+    assert "identical outputs: 4/4" in output and "feature drafter, k=" in output and "speedup" in output
+
+
 def test_bench_reads_an_audio_folder_and_reports_wer(tiny_whisper_dir, tmp_path, capsys) -> None:
     out = tmp_path / "bench"
     status = main([

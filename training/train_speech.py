@@ -349,6 +349,9 @@ Research artefact trained here from scratch by `training/train_speech.py` (comma
   ASR pipeline's `chunk_length_s`.
 - **Quality**: WER {wer:.1%} on {heldout} held-out utterances (dev-split sentences never trained on, spoken by 4
   voice variants never heard in training, 20 dB noise), greedy decoding.
+- **Limits**: the transcripts are right only where the WER above says so; at tens of percent they go wrong after
+  the first words. Here the model serves to show and measure exact drafting on a Whisper-architecture model; it
+  does not recognize human speech, and a recognizer for real use is trained on real recordings.
 - **Drafter**: `feature-drafter/` (if present) is an exact feature drafter for `hf_blockwise`.
 - **Clips**: `clips/` holds {clips} held-out utterances (16 kHz WAV, with the 20 dB noise they were scored with) and
   `clips/metadata.csv` their transcripts (the `audiofolder` layout), for `hf-blockwise demo --task asr`.

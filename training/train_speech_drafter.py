@@ -1,15 +1,17 @@
 """Train a feature drafter (EAGLE-style, one decoder layer that cross-attends to the audio encoder) for the speech
 model of `train_speech.py`, with the base frozen, and check it is exact on the held-out utterances.
 
-Targets are the base's own next decoder states and greedy tokens, teacher-forced on the reference transcripts (the
-base's WER is low, so these prefixes are what greedy decoding meets; no separate distillation pass). Audio gets
-the same noise as in the base's training. Checkpoints hold only the drafter; re-running with the same `--out`
-resumes.
+Targets are the base's own next decoder states and greedy tokens, teacher-forced on the reference transcripts, or
+with `--distill-utterances N` on the base's own greedy transcripts of the first N training utterances
+(self-distillation: the prefixes greedy decoding meets; cached in `--out`). Measured on the shipped base (held-out
+WER 65.8%): references, 712 steps, 1.64 tokens per decoder call; self-distilled on 8,000 utterances, 250 steps,
+1.36 (`training/README.md`). Audio gets the same noise as in the base's training. Checkpoints hold only the
+drafter; re-running with the same `--out` resumes.
 
 Exact command (from the repository root, after `train_speech.py`)::
 
-    python training/train_speech_drafter.py --speech-out checkpoints/speech-en --out checkpoints/speech-drafter \
-        --threads 2 --ship hf_blockwise/pretrained/speech-en/feature-drafter
+    python training/train_speech_drafter.py --speech-out checkpoints/speech-en \
+        --out checkpoints/speech-drafter-references --threads 2 --ship hf_blockwise/pretrained/speech-en/feature-drafter
 
 Smoke test::
 
@@ -28,6 +30,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import WhisperForConditionalGeneration, WhisperProcessor
@@ -42,9 +45,9 @@ from hf_blockwise.training.feature_config import FeatureDrafterTrainingArguments
 from hf_blockwise.training.feature_trainer import FeatureDrafterTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from recipe_common import atomic_write_json, last_checkpoint, trainer_arguments, write_model_card
+from recipe_common import atomic_write_json, last_checkpoint, ship_drafter, trainer_arguments
 from speech_data import SAMPLING_RATE, SpeechSplit
-from train_speech import SpeechCollator, heldout_audio
+from train_speech import SpeechCollator, heldout_audio, transcribe
 
 
 @dataclass
@@ -63,7 +66,37 @@ class TrainSpeechDrafterArguments:
     threads: int = field(default=2, metadata={"help": "torch.set_num_threads"})
     eval_utterances: int = field(default=100, metadata={"help": "held-out utterances decoded at the end (batch 1)"})
     shortlist: int | None = field(default=1000, metadata={"help": "draft among the N most frequent tokens"})
+    distill_utterances: int = field(
+        default=0, metadata={"help": "train on the base's own transcripts of this many utterances (0: references)"}
+    )
     ship: str | None = field(default=None, metadata={"help": "also write the drafter here (inside the model dir)"})
+
+
+class DistilledSplit(torch.utils.data.Dataset):
+    """Training utterances with the base's own greedy transcripts in place of the references."""
+
+    def __init__(self, split: SpeechSplit, texts: Sequence[str]) -> None:
+        self.split, self.texts = split, list(texts)
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def __getitem__(self, index: int) -> tuple[Any, str]:
+        return self.split[index][0], self.texts[index]
+
+
+def distilled_split(
+    base: WhisperForConditionalGeneration, processor: WhisperProcessor, split: SpeechSplit, count: int, cache: Path
+) -> DistilledSplit:
+    """The first `count` utterances of `split` with the base's greedy transcripts (of the clean audio; the collator
+    adds noise in training), computed once and cached in `cache` (JSON list)."""
+    if cache.is_file():
+        texts = json.loads(cache.read_text(encoding="utf-8"))
+        if len(texts) == count:
+            return DistilledSplit(split, texts)
+    texts = transcribe(base, processor, [split[index][0] for index in range(count)], batch_size=32)
+    atomic_write_json(cache, texts)
+    return DistilledSplit(split, texts)
 
 
 def check_exact(model: FeatureDrafterModel, processor: WhisperProcessor, audio: Sequence) -> dict[str, float]:
@@ -92,7 +125,7 @@ MODEL_CARD = """# Feature drafter for `speech-en`
 
 Research artefact trained here by `training/train_speech_drafter.py` (command and wall time in `training/README.md`):
 one decoder layer that reads the frozen speech model's last decoder states and cross-attends to its audio encoder's
-output, trained for {steps} steps on the base's training utterances (teacher-forced on their transcripts, the
+output, trained for {steps} steps on the base's training utterances (teacher-forced on {prefixes}, the
 base's own next states and greedy tokens as targets; the data's licences apply: research use only).
 
 - Exact decoding at batch 1, k = {block_size}, on {utterances} held-out utterances: identical to greedy
@@ -111,6 +144,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     base = WhisperForConditionalGeneration.from_pretrained(speech / "model", dtype=torch.float32).eval()
     processor = WhisperProcessor.from_pretrained(speech / "model")
     train = SpeechSplit(speech / "speech", "train")
+    if args.distill_utterances:
+        count = min(args.distill_utterances, len(train))
+        train = distilled_split(base, processor, train, count, Path(args.out) / "distilled.json")
     config = FeatureDrafterConfig(
         block_size=args.block_size, training_depth=args.training_depth, base_model_name_or_path=str(speech / "model")
     )
@@ -124,7 +160,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     trainer.train(resume_from_checkpoint=last_checkpoint(args.out))
     model.eval()
     if args.shortlist:
-        labels = [processor.tokenizer.encode(f" {u.text}", add_special_tokens=False) for u in train.utterances]
+        texts = train.texts if isinstance(train, DistilledSplit) else [u.text for u in train.utterances]
+        labels = [processor.tokenizer.encode(f" {text}", add_special_tokens=False) for text in texts]
         model.set_shortlist(frequent_tokens(labels, args.shortlist, always=[processor.tokenizer.eos_token_id]))
     model.save_pretrained(os.path.join(args.out, "final"))
 
@@ -138,8 +175,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     atomic_write_json(os.path.join(args.out, "speech_drafter_log.json"), results)
     print(json.dumps(results, indent=2))
     if args.ship:
-        model.save_pretrained(args.ship)
-        write_model_card(args.ship, MODEL_CARD.format(**results))
+        prefixes = (
+            f"the base's own greedy transcripts of {len(train)} of them" if args.distill_utterances
+            else "their reference transcripts"
+        )  # fmt: skip
+        ship_drafter(model, args.ship, MODEL_CARD.format(prefixes=prefixes, **results))  # fp16, naming the base as ".."
         print(f"shipped to {args.ship}")
 
 

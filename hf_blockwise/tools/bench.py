@@ -190,7 +190,7 @@ def available_modes(setup: BenchSetup, requested: Sequence[str]) -> list[str]:
             print("skipping assisted: pass --assistant-model")
         elif mode.startswith("gad") and setup.nar_drafter is None:
             print(f"skipping {mode}: pass --nar-drafter")
-        elif mode.startswith("iad") and not _shares_vocabulary(setup.base):
+        elif mode.startswith("iad") and not shares_vocabulary(setup.base):
             print(f"skipping {mode}: source and target vocabularies differ")
         elif mode in CT2_COMPUTE_TYPES and ct2 is None:
             print(f"skipping {mode}: CTranslate2 is not installed (pip install -e .[ctranslate2])")
@@ -220,12 +220,12 @@ def _missing_model(setup: BenchSetup, mode: str) -> str | None:
         return "no sequential heads (pass --sequential-heads)"
     if mode.startswith(("feature", "composite")) and setup.feature_model is None:
         return "no feature drafter (pass --feature-drafter)"
-    if mode == "composite" and not _shares_vocabulary(setup.base):
+    if mode == "composite" and not shares_vocabulary(setup.base):
         return "source and target vocabularies differ"
     return None
 
 
-def _shares_vocabulary(model: nn.Module) -> bool:
+def shares_vocabulary(model: nn.Module) -> bool:
     try:
         hf.check_shared_vocabulary(model)
     except ValueError:

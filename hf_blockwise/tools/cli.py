@@ -497,6 +497,7 @@ def run_generate_command(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()  # loading bars would interleave with the job's own
     try:
         report = generate_corpus(
             args.model, args.input, args.output, column=args.column, split=args.split, drafter=args.drafter,
@@ -533,8 +534,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--no-compile", action="store_true", help="decode blockwise eagerly, without the compiled engine")
     demo.add_argument(
         "--task", choices=("translation", "asr"), default="translation",
-        help="asr: a speech model (--model DIR with its processor and feature-drafter/) transcribes --audio-folder "
-        "(default: DIR/clips) greedy and with its feature drafter",
+        help="asr: a speech model (--model DIR with its processor and feature-drafter/; default: the shipped "
+        "speech-en) transcribes --audio-folder (default: DIR/clips) greedy and with its feature drafter",
     )  # fmt: skip
     demo.add_argument("--audio-folder", default=None, help="--task asr: 16-bit .wav files (and metadata.csv)")
     demo.add_argument("sentences", nargs="*", help="English sentences to translate (default: built-in examples)")
@@ -556,9 +557,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = SHIPPED_SPEECH_MODEL if args.model == SHIPPED_MODEL else args.model
         if not os.path.isdir(model):
             demo.error(
-                f"no speech model at {model}: the speech recipe's model does not transcribe yet and is not shipped "
-                "(training/README.md); pass --model DIR with a speech encoder-decoder, its processor and a "
-                "feature-drafter/ subfolder, and --audio-folder DIR"
+                f"no speech model at {model}: pass --model DIR with a speech encoder-decoder, its processor and a "
+                "feature-drafter/ subfolder (and --audio-folder DIR unless DIR/clips holds the audio)"
             )
         return run_asr_demo(
             model, args.audio_folder, args.repeats, args.threads, args.max_new_tokens, compile=not args.no_compile

@@ -3,6 +3,7 @@ the loop, written in input order, and (under `accelerate launch`) the shards mer
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -22,7 +23,7 @@ from hf_blockwise.drafters.base import Drafter
 from hf_blockwise.drafters.composite import CompositeDrafter
 from hf_blockwise.drafters.input_copy import InputCopyDrafter
 from hf_blockwise.generation.loop import blockwise_generate
-from hf_blockwise.tools.bench import BenchSetup
+from hf_blockwise.tools.bench import BenchSetup, shares_vocabulary
 from hf_blockwise.tools.corpus.output import (
     CorpusSettings,
     OutputProgress,
@@ -82,7 +83,7 @@ def choose_drafter(name: str, setup: BenchSetup) -> str:
     "Generating a corpus"): the composite of source copy and feature drafter when the model has a feature drafter and
     shares its vocabulary between source and target, else the feature drafter, else the heads, else source copy
     (shared vocabulary), else none. Other names are checked against what the model has."""
-    shares = _shares_vocabulary(setup.base)
+    shares = shares_vocabulary(setup.base)
     if name == "auto":
         if setup.feature_model is not None:
             return "composite" if shares else "feature"
@@ -101,14 +102,6 @@ def choose_drafter(name: str, setup: BenchSetup) -> str:
     if missing:
         raise ValueError(f"--drafter {name}: the model has {missing}")
     return name
-
-
-def _shares_vocabulary(model: torch.nn.Module) -> bool:
-    try:
-        hf.check_shared_vocabulary(model)
-    except ValueError:
-        return False
-    return True
 
 
 def build_drafter(name: str, setup: BenchSetup) -> Drafter | None:
@@ -264,13 +257,51 @@ def generate_corpus(
     Returns:
         [`CorpusReport`] of this process's work.
     """
-    job = prepare_job(
-        model, inputs, output, column=column, split=split, drafter=drafter, batch_size=batch_size,
-        max_batch_tokens=max_batch_tokens, compile=compile,
+    options = CorpusOptions(
+        drafter=drafter, batch_size=batch_size, max_batch_tokens=max_batch_tokens, compile=compile,
         generate_kwargs={"max_new_tokens": max_new_tokens, **(generate_kwargs or {})}, output_format=output_format,
         stats=stats, on_long=on_long, chunk_size=chunk_size,
     )  # fmt: skip
+    job = prepare_job(model, inputs, output, column=column, split=split, options=options)
     return run_job(job, overwrite=overwrite, progress=progress)
+
+
+@dataclass(frozen=True)
+class CorpusOptions:
+    """How a corpus is decoded and written (the arguments of [`generate_corpus`] of the same names)."""
+
+    drafter: str = "auto"
+    batch_size: int = 16
+    max_batch_tokens: int | None = None
+    generate_kwargs: dict[str, Any] = field(default_factory=lambda: {"max_new_tokens": 256})
+    compile: bool = False
+    output_format: str | None = None
+    stats: bool = False
+    on_long: str = "fail"
+    chunk_size: int = 1024
+
+    def checked(self, output: Path) -> CorpusOptions:
+        """These options with the output format resolved from the file name; a `ValueError` names a bad one."""
+        fmt = self.output_format or ("jsonl" if output.name.removesuffix(".gz").endswith(".jsonl") else "text")
+        for what, value, allowed in (
+            ("output_format", fmt, OUTPUT_FORMATS), ("on_long", self.on_long, ("fail", "skip")),
+            ("drafter", self.drafter, DRAFTERS),
+        ):  # fmt: skip
+            if value not in allowed:
+                raise ValueError(f"unknown {what} {value!r}; choose one of {allowed}")
+        for what in ("batch_size", "chunk_size", "max_batch_tokens"):
+            value = getattr(self, what)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{what} must be a positive int, got {value!r}")
+        if self.stats and fmt != "jsonl":
+            raise ValueError("stats=True / --stats writes per-line stats into JSONL records: use a .jsonl output")
+        try:
+            json.dumps(self.generate_kwargs)
+        except TypeError as error:
+            raise ValueError(
+                f"generate arguments must be JSON values (they are recorded for resuming): {error}"
+            ) from error
+        return dataclasses.replace(self, output_format=fmt)
 
 
 def prepare_job(
@@ -280,51 +311,38 @@ def prepare_job(
     *,
     column: str | None,
     split: str | None,
-    drafter: str,
-    batch_size: int,
-    max_batch_tokens: int | None,
-    generate_kwargs: dict[str, Any],
-    compile: bool,
-    output_format: str | None,
-    stats: bool,
-    on_long: str,
-    chunk_size: int,
+    options: CorpusOptions,
 ) -> CorpusJob:
-    """Checks the arguments, reads the sources and loads the model and drafter (the argument checks come first, so
-    that a bad call fails in a second, not after loading)."""
-    output = Path(output)
-    fmt = output_format or ("jsonl" if output.name.removesuffix(".gz").endswith(".jsonl") else "text")
-    for what, value, allowed in (("output_format", fmt, OUTPUT_FORMATS), ("on_long", on_long, ("fail", "skip"))):
-        if value not in allowed:
-            raise ValueError(f"{what} must be one of {allowed}, got {value!r}")
-    if drafter not in DRAFTERS:
-        raise ValueError(f"unknown drafter {drafter!r}; choose one of {DRAFTERS}")
-    for what, value in (("batch_size", batch_size), ("chunk_size", chunk_size), ("max_batch_tokens", max_batch_tokens)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{what} must be a positive int, got {value!r}")
-    if stats and fmt != "jsonl":
-        raise ValueError("stats=True / --stats writes per-line stats into JSONL records: use a .jsonl output")
-    try:
-        json.dumps(generate_kwargs)
-    except TypeError as error:
-        raise ValueError(f"generate arguments must be JSON values (they are recorded for resuming): {error}") from error
+    """Checks the options, reads the sources, loads the model and its drafters (options are checked first, so that
+    a bad call fails in a second, not after loading) and makes the job."""
+    options = options.checked(Path(output))
     texts = read_sources(inputs, column, split)
-    setup = load_for_bench(model, None, int(generate_kwargs.get("max_new_tokens", 256)))
+    setup = load_for_bench(model, None, int(options.generate_kwargs.get("max_new_tokens", 256)))
     if setup.tokenizer is None or setup.feature_extractor is not None:
         raise ValueError(f"{model}: its encoder reads {hf.encoder_input_name(setup.base)}, not text")
+    return make_job(setup, os.fspath(model), texts, _describe(inputs, column, split), Path(output), options)
+
+
+def make_job(
+    setup: BenchSetup, model: str, texts: list[str], description: str, output: Path, options: CorpusOptions
+) -> CorpusJob:
+    """A job over loaded models (moved to this process's device) for `texts`, written to `output` (or, under
+    `accelerate launch` with several processes, to this process's shard of it)."""
+    options = options.checked(output)
     state = PartialState()
     _to_device(setup, state.device)
-    chosen = choose_drafter(drafter, setup)
+    chosen = choose_drafter(options.drafter, setup)
     settings = CorpusSettings(
-        model=os.fspath(model), drafter=chosen, input=_describe(inputs, column, split), input_sha256=fingerprint(texts),
-        num_lines=len(texts), generate_kwargs=dict(generate_kwargs), batch_size=batch_size,
-        max_batch_tokens=max_batch_tokens, chunk_size=chunk_size, output_format=fmt, stats=stats, on_long=on_long,
-        compile=compile, num_shards=state.num_processes, shard=state.process_index if state.num_processes > 1 else -1,
+        model=model, drafter=chosen, input=description, input_sha256=fingerprint(texts), num_lines=len(texts),
+        generate_kwargs=dict(options.generate_kwargs), batch_size=options.batch_size,
+        max_batch_tokens=options.max_batch_tokens, chunk_size=options.chunk_size, output_format=options.output_format,
+        stats=options.stats, on_long=options.on_long, compile=options.compile, num_shards=state.num_processes,
+        shard=state.process_index if state.num_processes > 1 else -1,
     )  # fmt: skip
     shard_output = output if state.num_processes == 1 else shard_path(output, state.process_index, state.num_processes)
     return CorpusJob(
         setup=setup, drafter=build_drafter(chosen, setup), texts=texts, settings=settings,
-        generate_kwargs=dict(generate_kwargs), output=output, shard_output=shard_output, state=state,
+        generate_kwargs=dict(options.generate_kwargs), output=output, shard_output=shard_output, state=state,
     )  # fmt: skip
 
 
