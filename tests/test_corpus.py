@@ -84,7 +84,16 @@ def test_every_drafter_gives_greedys_output_line_for_line(tmp_path, model_dir, d
     expected = greedy_in_the_same_batches(model_dir, sources, batch_size=4, chunk_size=16)
     assert (tmp_path / "out.txt").read_text().splitlines() == expected
     assert report.lines == 40 and report.new_tokens > 0 and report.row_calls > 0
-    assert report.drafter == ("composite" if drafter == "auto" else drafter)
+    assert report.drafter == ("none" if drafter == "auto" else drafter)  # auto: the loop alone above batch 1
+    if drafter == "auto":  # at batch 1, the composite of source copy and the shipped feature drafter
+        one = generate_corpus(
+            str(model_dir), sources[:6], tmp_path / "one.txt", batch_size=1, max_new_tokens=MAX_NEW_TOKENS,
+            progress=False,
+        )  # fmt: skip
+        assert one.drafter == "composite"
+        assert (tmp_path / "one.txt").read_text().splitlines() == greedy_in_the_same_batches(
+            model_dir, sources[:6], 1, 1024
+        )
 
 
 def test_token_budget_jsonl_stats_and_datasets(tmp_path, model_dir) -> None:
