@@ -18,6 +18,7 @@ import torch
 from conftest import build_model, word_tokenizer
 
 from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, FeatureDrafterConfig, FeatureDrafterModel
+from hf_blockwise import boundary as hf
 from hf_blockwise.tools.cli import main
 from hf_blockwise.tools.corpus import generate_corpus, plan_batches, read_sources
 from hf_blockwise.tools.corpus.planning import chunks_of_shard
@@ -164,6 +165,13 @@ def test_inputs_and_outputs_are_refused_clearly(tmp_path, model_dir) -> None:
         generate_corpus(str(model_dir), ["w5"], tmp_path / "x.txt", drafter="fast", **arguments)
     with pytest.raises(SystemExit, match=r"hf-blockwise generate: .*empty"):
         main(["generate", "--model", str(model_dir), "--input", str(tmp_path / "empty.txt"), "--output", "o.txt"])
+
+
+def test_the_source_limit_is_the_encoders_position_table() -> None:
+    """Read from the encoder's positions, not the config: T5's relative positions have no limit (its config's
+    `n_positions` is no bound), Marian's sinusoidal table has `max_position_embeddings` rows."""
+    assert hf.encoder_position_limit(build_model("t5")) is None
+    assert hf.encoder_position_limit(build_model("marian")) == 128
 
 
 def test_sources_longer_than_the_positions_fail_or_are_skipped(tmp_path, model_dir) -> None:

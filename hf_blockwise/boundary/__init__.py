@@ -70,6 +70,7 @@ from hf_blockwise.boundary.inputs import (
     check_decoder_length,
     check_generate_inputs,
     decoder_position_limit,
+    encoder_position_limit,
     position_limit,
 )
 from hf_blockwise.boundary.media import decoder_reads_frame_mask, encoder_output_mask, validate_segment_options
@@ -133,6 +134,7 @@ __all__ = [
     "encoder_hidden_states",
     "encoder_input_name",
     "encoder_output_mask",
+    "encoder_position_limit",
     "expert_capacity_limit",
     "forward_kwargs",
     "has_file",

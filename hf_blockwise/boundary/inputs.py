@@ -1,8 +1,9 @@
 """Input checks that turn failures deep inside a model into clear errors.
 
-Position limits read from the model's position tables ([`position_limit`], [`decoder_position_limit`]), checked
-against the inputs of the wrappers' `generate` ([`check_generate_inputs`], which also refuses an empty batch) and
-against the loop's `max_length` ([`check_decoder_length`]).
+Position limits read from the model's position tables ([`position_limit`], [`encoder_position_limit`],
+[`decoder_position_limit`]), checked against the inputs of the wrappers' `generate` ([`check_generate_inputs`],
+which also refuses an empty batch), against the loop's `max_length` ([`check_decoder_length`]) and by the corpus
+job against each source.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ def decoder_position_limit(model: nn.Module) -> int | None:
     return position_limit(_stack(model, "get_decoder"))
 
 
+def encoder_position_limit(model: nn.Module) -> int | None:
+    """[`position_limit`] of the model's encoder stack: the longest source it can read."""
+    return position_limit(_stack(unwrap_base(model), "get_encoder"))
+
+
 def _stack(model: nn.Module, getter: str) -> nn.Module | None:
     get = getattr(model, getter, None)
     return get() if callable(get) else None
@@ -52,7 +58,7 @@ def check_generate_inputs(model: nn.Module, args: tuple, kwargs: dict[str, Any])
         return
     if inputs.shape[0] == 0:
         raise ValueError("generate was called with an empty batch (batch size 0)")
-    limit = position_limit(_stack(unwrap_base(model), "get_encoder"))
+    limit = encoder_position_limit(model)
     if limit is not None and inputs.dim() >= 2 and inputs.shape[1] > limit:
         raise ValueError(
             f"the input is {inputs.shape[1]} tokens long, but the encoder of {model_name(model)} has {limit} "

@@ -36,7 +36,7 @@ from hf_blockwise.tools.corpus.output import (
     whole_output_settings,
     write_progress,
 )
-from hf_blockwise.tools.corpus.planning import chunks_of_shard, plan_batches, source_position_limit
+from hf_blockwise.tools.corpus.planning import chunks_of_shard, plan_batches
 from hf_blockwise.tools.corpus.sources import fingerprint, read_sources
 from hf_blockwise.tools.loading import load_for_bench
 
@@ -79,8 +79,9 @@ class CorpusReport:
 
 
 def choose_drafter(name: str, setup: BenchSetup, batch_size: int) -> str:
-    """The drafter a run uses: `name`, checked against what the model has, or for `"auto"` the fastest exact choice
-    measured here (`docs/results.md`, "Generating a corpus": Europarl through the Multi30k model, W&I through gec-en):
+    """The drafter a run uses: `name` (one of `DRAFTERS`, checked by `CorpusOptions.checked`) if the model has it, or
+    for `"auto"` the fastest exact choice measured here (`docs/results.md`, "Generating a corpus": Europarl through
+    the Multi30k model, W&I through gec-en):
 
     - batch size 1: the composite of source copy and feature drafter when the model ships a feature drafter and
       shares its vocabulary (within 10% of the best on both tasks: 1.61x vs the feature drafter's 1.74x on
@@ -106,8 +107,6 @@ def choose_drafter(name: str, setup: BenchSetup, batch_size: int) -> str:
         or (not shares and "different source and target vocabularies (source copy needs one)"),
         "input_copy": not shares and "different source and target vocabularies (source copy needs one)",
     }.get(name)
-    if name not in DRAFTERS:
-        raise ValueError(f"unknown drafter {name!r}; choose one of {DRAFTERS}")
     if missing:
         raise ValueError(f"--drafter {name}: the model has {missing}")
     return name
@@ -173,7 +172,7 @@ def decode_chunk(
     """One chunk of sources, decoded in sorted batches and put back in input order; too long sources are skipped
     or refused (`settings.on_long`)."""
     encoded = setup.tokenizer(list(texts))["input_ids"]
-    limit = source_position_limit(setup.base)
+    limit = hf.encoder_position_limit(setup.base)  # None: relative or growing positions (T5, NLLB)
     rows: list[DecodedRow | None] = [None] * len(texts)
     decodable = []
     for index, ids in enumerate(encoded):
@@ -379,7 +378,7 @@ def run_job(job: CorpusJob, overwrite: bool = False, progress: bool = True) -> C
         progress_path(job.output).unlink(missing_ok=True)
     written = claim_output(job.shard_output, settings, overwrite)
     chunks = chunks_of_shard(settings.num_lines, settings.chunk_size, settings.num_shards, max(settings.shard, 0))
-    done = sum(len(chunk) for chunk in chunks) if written.complete else written.lines
+    done = written.lines  # whole chunks only: a complete shard holds all of its lines
     report.resumed_lines = done
     todo = _chunks_after(chunks, done)
     bar = tqdm(

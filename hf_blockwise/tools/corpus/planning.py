@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 
 def chunks_of_shard(num_lines: int, chunk_size: int, num_shards: int, shard: int) -> list[range]:
     """The line ranges shard `shard` decodes: chunk c (lines `c * chunk_size` on) goes to shard `c % num_shards`."""
@@ -31,13 +29,3 @@ def plan_batches(lengths: Sequence[int], batch_size: int, max_batch_tokens: int 
         else:
             batches.append([index])
     return batches
-
-
-def source_position_limit(model: torch.nn.Module) -> int | None:
-    """Most source tokens the encoder has positions for, from its config (`None`: relative positions, no limit)."""
-    config = model.config
-    for name in ("max_position_embeddings", "n_positions", "max_source_positions"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
