@@ -27,6 +27,7 @@ from synthetic_errors import synthetic_pairs
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_ROOT = REPO_ROOT.parent / "shared" / "data"
 MULTI30K_DIR = DATA_ROOT / "multi30k"
+EUROPARL_DIR = DATA_ROOT / "europarl_de_en"
 GEC_MAX_WORDS = 60  # FCE lines are paragraphs; longer pairs would be truncated on both sides out of alignment
 
 # corpus name -> (file under the data folder, how to read one line into an English text)
@@ -126,6 +127,31 @@ def load_multi30k(dataset: str) -> dict[str, Pairs]:
     return {
         key: ([clean_text(s) for s in ds[split]["en"]], [clean_text(s) for s in ds[split]["de"]])
         for key, split in names.items()
+    }
+
+
+def load_europarl_multi30k(data_root: str | Path) -> dict[str, Pairs]:
+    """English → German from two domains: Multi30k train plus Europarl train as training pairs (pairs with an
+    empty side dropped), Multi30k val as validation, Multi30k test_2016_flickr as test, and Europarl validation
+    as ``europarl_val`` (reported beside the test)."""
+    root = Path(data_root)
+    multi30k = load_multi30k(str(root / "multi30k"))
+    europarl_en = read_lines(root / "europarl_de_en" / "train.en.gz")
+    europarl_de = read_lines(root / "europarl_de_en" / "train.de.gz")
+    if len(europarl_en) != len(europarl_de):
+        raise ValueError(f"europarl train: {len(europarl_en)} English vs {len(europarl_de)} German lines")
+    kept = [(en, de) for en, de in zip(europarl_en, europarl_de, strict=True) if en and de]
+    train_en = multi30k["train"][0] + [en for en, _ in kept]
+    train_de = multi30k["train"][1] + [de for _, de in kept]
+    europarl_val = (
+        read_lines(root / "europarl_de_en" / "validation.en"),
+        read_lines(root / "europarl_de_en" / "validation.de"),
+    )
+    return {
+        "train": (train_en, train_de),
+        "val": multi30k["val"],
+        "test": multi30k["test"],
+        "europarl_val": europarl_val,
     }
 
 

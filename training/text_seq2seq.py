@@ -205,12 +205,15 @@ def train_step(
     batch: dict[str, torch.Tensor],
     smoothing: float,
     clip_norm: float,
+    bf16: bool = False,
 ) -> tuple[float, int]:
     """One optimizer step on one `collate` batch (per-token mean loss, gradient norm clipped to ``clip_norm``
-    unless it is 0); returns (summed loss, target tokens)."""
+    unless it is 0); returns (summed loss, target tokens). ``bf16`` runs the forward under CPU autocast to
+    bfloat16 (float32 master weights and optimizer state; the loss is taken in float32)."""
     model.train()
     labels = batch.pop("labels")
-    logits = model(**batch, use_cache=False).logits
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = model(**batch, use_cache=False).logits
     loss_sum, n_tokens = smoothed_loss(logits, labels, smoothing)
     optimizer.zero_grad(set_to_none=True)
     (loss_sum / max(1, n_tokens)).backward()
@@ -285,6 +288,7 @@ class LoopFlags(Protocol):
     label_smoothing: float
     clip_norm: float
     save_every: int
+    bf16: bool
 
 
 def run_training(
@@ -328,7 +332,9 @@ def run_training(
         for idx in bar:
             step_start = time.perf_counter()
             batch = collate([train_examples[i] for i in idx], model)
-            loss_sum, n_tokens = train_step(model, optimizer, scheduler, batch, flags.label_smoothing, flags.clip_norm)
+            loss_sum, n_tokens = train_step(
+                model, optimizer, scheduler, batch, flags.label_smoothing, flags.clip_norm, flags.bf16
+            )
             progress.step += 1
             progress.batch_in_epoch += 1
             progress.epoch_loss_sum += loss_sum
