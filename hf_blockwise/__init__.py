@@ -1,12 +1,14 @@
 """hf_blockwise: exact blockwise parallel decoding for Hugging Face seq2seq models."""
 
+from hf_blockwise.corpus import CorpusReport, generate_corpus
 from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts, NoDrafter, VerifiedStates
 from hf_blockwise.drafters.composite import CompositeDrafter
 from hf_blockwise.drafters.feature import FeatureDrafter
 from hf_blockwise.drafters.heads import HeadsDrafter
 from hf_blockwise.drafters.input_copy import InputCopyDrafter
-from hf_blockwise.drafters.nar import NARDrafterConfig, NonAutoregressiveDrafter
+from hf_blockwise.drafters.nar import NonAutoregressiveDrafter
 from hf_blockwise.drafters.oracle import ReferenceDrafter
+from hf_blockwise.evaluation import Comparison, compare_to_greedy
 from hf_blockwise.generation.acceptance import (
     AcceptanceRule,
     DistanceAcceptance,
@@ -16,7 +18,7 @@ from hf_blockwise.generation.acceptance import (
     TopKAcceptance,
     accepted_lengths,
 )
-from hf_blockwise.generation.capability import UnsupportedModelError, check_decoder
+from hf_blockwise.generation.capability import UnsupportedModelError, check_decoder, clear_verdicts
 from hf_blockwise.generation.diagnostics import Divergence, first_divergence
 from hf_blockwise.generation.loop import blockwise_generate
 from hf_blockwise.generation.state import DecodingStats
@@ -24,10 +26,9 @@ from hf_blockwise.modeling.config import BlockwiseConfig, FeatureDrafterConfig
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
 from hf_blockwise.modeling.heads import BlockwiseHeads, SequentialHeads
 from hf_blockwise.modeling.model import BlockwiseHeadsModel, BlockwiseHeadsOutput
+from hf_blockwise.modeling.nar_model import NARDrafterConfig, NARDrafterModel
 from hf_blockwise.modeling.quantization import quantize_dynamic_int8
 from hf_blockwise.modeling.shortlist import frequent_tokens
-from hf_blockwise.tools.corpus import CorpusReport, generate_corpus
-from hf_blockwise.tools.evaluation import Comparison, compare_to_greedy
 
 __version__ = "0.1.0"
 
@@ -55,6 +56,7 @@ __all__ = [
     "InputCopyDrafter",
     "MinimumBlockAcceptance",
     "NARDrafterConfig",
+    "NARDrafterModel",
     "NoDrafter",
     "NonAutoregressiveDrafter",
     "ReferenceDrafter",
@@ -65,6 +67,7 @@ __all__ = [
     "accepted_lengths",
     "blockwise_generate",
     "check_decoder",
+    "clear_verdicts",
     "compare_to_greedy",
     "first_divergence",
     "frequent_tokens",

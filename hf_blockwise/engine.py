@@ -20,15 +20,29 @@ What keeps the compiled graph from recompiling during a call:
 
 Compiled kernels order some floating-point sums differently from eager ones, so the engine's greedy (the loop with
 no drafter) is the exact reference of its drafting modes; against transformers' eager greedy an output may differ
-only at a near-tie, which [`first_divergence`] shows. Weights changed after compilation (training,
-`load_state_dict`) are detected by their version counters and the model is compiled again (after
-`torch.compiler.reset()`: dynamo's guards do not look at weight values, so its cache would serve the old graph).
+only at a near-tie, which [`first_divergence`] shows.
+
+Where the compiled objects live, and when they are dropped:
+
+- engines and drafting blocks are kept in one registry, keyed by model (weakly: a model that is garbage-collected
+  takes its entries with it); [`engine_of`] reads it and [`drop_compiled`] empties a model's entries;
+- each compiled module gets a code object of its own for its `forward`. Dynamo keeps graphs per code object,
+  guarded by the objects a frame reads but not by weight values: with a shared code object, a new engine of a
+  model whose weights changed in place would be served the old frozen graph (measured), and dropping it would take
+  a process-wide `torch.compiler.reset()`. With its own code object an engine's graphs can be reached only through
+  it, so weights changed after compilation (training, `load_state_dict`), seen in their version counters, replace
+  that model's engine alone; other models keep their graphs. It also keeps each engine's few graphs (2-4) within
+  dynamo's default recompile limit, which is per code object: no global limit is raised;
+- inductor's `freezing` is a global flag read when a graph is compiled; it is set around the engine's calls only
+  and restored after each.
 """
 
 from __future__ import annotations
 
 import shutil
+import types
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,9 +55,6 @@ from hf_blockwise import boundary as hf
 
 # static cache buffers are rounded up to this many positions, so that calls of similar lengths share their shape
 _CACHE_ROUNDING = 64
-# dynamo keeps at most this many graphs per compiled function; an engine has 2-4 (batch 1 or more, a one-column
-# feed at a position limit) and a process may build engines for several models
-_RECOMPILE_LIMIT = 64
 
 
 class CompileUnavailableError(RuntimeError):
@@ -99,12 +110,24 @@ def weights_fingerprint(model: nn.Module) -> tuple[tuple[int, int], ...]:
     )
 
 
+def own_code(function: Callable) -> types.FunctionType:
+    """`function` with a copy of its code object: the same behaviour, and a dynamo cache of its own.
+
+    Dynamo keeps compiled graphs on the code object of the frame it compiles. Every module of one class shares its
+    `forward`'s code, so their graphs share one cache (and one recompile limit), and only a process-wide reset
+    could drop one model's graphs. A copy gives a compiled module graphs that no other module can be served.
+    """
+    code, name = function.__code__.replace(), function.__name__
+    return types.FunctionType(code, function.__globals__, name, function.__defaults__, function.__closure__)
+
+
 class CompiledModule:
     """`module` through `torch.compile` with the engine's options: dynamic shapes, and on CPU frozen (prepacked)
     weights. The verification forward and the drafters' drafting blocks are compiled with it.
 
     Args:
-        module (`nn.Module`): what to compile; dynamo sees its weights as parameters.
+        module (`nn.Module`): what to compile, built for this engine alone: its `forward` is given a code object of
+            its own ([`own_code`]), so that its graphs are its own; dynamo sees its weights as parameters.
         options ([`CompileOptions`]).
         owner (`nn.Module`): the model whose weights `module` uses (or derives buffers from): the fingerprint that
             tells a stale graph ([`weights_fingerprint`]) is taken over it.
@@ -121,12 +144,12 @@ class CompiledModule:
         # freezing: weights become prepacked constants (CPU); not with CUDA graphs, which need the cache's static
         # addresses that freezing would fold
         self.freezing = options.freezing and options.backend == "inductor" and mode != "reduce-overhead"
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
+        module.forward = types.MethodType(own_code(type(module).forward), module)
         self._compiled = torch.compile(module, backend=options.backend, mode=mode, dynamic=True)
 
     def __call__(self, *args: Any) -> Any:
         # inductor reads `freezing` from its global config when it compiles (torch.compile's options= do not reach
-        # that decision), so it is set for the call only
+        # that decision), so it is set for the call only and restored after it
         with torch._inductor.config.patch(freezing=self.freezing):
             return self._compiled(*args)
 
@@ -138,8 +161,12 @@ class CompiledDecoder:
     """transformers' decoder forward of one model, compiled, with the decoder states as a second output.
 
     Args:
-        model: the transformers seq2seq model.
+        model: the transformers seq2seq model (held weakly: the registry that keeps the engine is keyed by it).
         options ([`CompileOptions`]).
+
+    Attributes:
+        compiled_calls (`int`): forwards run through the compiled graph since the engine was built; each generate
+            call reports its own in [`DecodingStats.compiled_forwards`].
     """
 
     def __init__(self, model: nn.Module, options: CompileOptions) -> None:
@@ -148,14 +175,12 @@ class CompiledDecoder:
         self.position_limit = hf.decoder_position_limit(model)
         self.num_layers = hf.decoder_layer_count(model)
         self._step = _DecoderStep(model)
-        # a module, so that dynamo sees the weights as parameters
         self._compiled = CompiledModule(self._step, options, model)
         self.freezing = self._compiled.freezing
-        # compiled calls run no module hooks, so a caller counting decoder calls (the bench) reads this instead
         self.compiled_calls = 0
 
     def close(self) -> None:
-        """Removes the engine's hook from the model (done when an engine is replaced)."""
+        """Removes the engine's hook from the model (done when an engine is dropped)."""
         self._step.hook_handle.remove()
 
     def new_cache(self, max_length: int) -> Any:
@@ -191,13 +216,19 @@ class CompiledDecoder:
 class _DecoderStep(nn.Module):
     """transformers' forward of `model` with the input of its output projection as a second output.
 
-    The projection's forward hook is registered once, before compilation, so that dynamo traces it into the graph;
-    it keeps the tensor only while this module's forward runs (eager calls of the model are left alone).
+    The projection's forward hook is registered once, before compilation, so that dynamo traces it into the graph
+    (a hook cannot be handed arguments, and one added per call would change what the graph is guarded on). So that
+    eager calls of the model elsewhere (plain `generate`, another compiled forward) are left alone, it keeps the
+    tensor only while this module's forward runs: `capturing` is `True` only inside `forward`, and `states` is
+    handed back and cleared before `forward` returns; no tensor outlives a call.
+
+    The model is held through a weak reference, not as a submodule: the engine registry is keyed weakly by the
+    model, and a value that held its key would keep it alive for good.
     """
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.model = model
+        self.model_ref = weakref.ref(model)
         self.capturing = False
         self.states: torch.Tensor | None = None
         projection = model.get_output_embeddings()
@@ -213,7 +244,7 @@ class _DecoderStep(nn.Module):
         self, tokens: torch.Tensor, cache: Any, forward_kwargs: dict[str, Any]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.capturing = True
-        outputs = self.model(
+        outputs = self.model_ref()(
             decoder_input_ids=tokens, past_key_values=cache, use_cache=True, return_dict=True,
             **{**forward_kwargs, "decoder_attention_mask": hf.static_cache_mask(cache, tokens)},
         )  # fmt: skip
@@ -222,62 +253,78 @@ class _DecoderStep(nn.Module):
         return outputs.logits, states
 
 
-# where a model keeps its engine, as transformers keeps its own compiled forward on the model (`_compiled_call`)
-_ENGINE_ATTRIBUTE = "_hf_blockwise_engine"
-_BLOCK_ATTRIBUTE = "_hf_blockwise_drafting_block"
+# Every compiled object, per model: its engine under "decoder", a drafter model's drafting blocks under "block:<key>".
+# Keyed weakly (as transformers keeps its own compiled forward on the model, `_compiled_call`, it goes with it).
+_COMPILED: weakref.WeakKeyDictionary[nn.Module, dict[str, CompiledDecoder | CompiledModule]] = (
+    weakref.WeakKeyDictionary()
+)
+_DECODER_KEY = "decoder"
 
 
 def compiled_decoder(model: nn.Module, options: CompileOptions) -> CompiledDecoder | None:
-    """The model's compiled engine, built on first use and kept on the model; `None`, with a warning that says
+    """The model's compiled engine, built on first use and kept in the registry; `None`, with a warning that says
     why, where compilation is unavailable (the loop then runs eagerly, with the same output rules).
 
-    Weights changed since the engine was built make a new one (a recompilation, with a warning): a frozen graph
-    holds the weights it was compiled with.
+    Weights changed since the engine was built make a new one (a recompilation of this model only, with a
+    warning): a frozen graph holds the weights it was compiled with.
     """
-    return _kept(model, _ENGINE_ATTRIBUTE, options, lambda: CompiledDecoder(model, options))
+    return _kept(model, _DECODER_KEY, options, lambda: CompiledDecoder(model, options))
 
 
 def compiled_block(
     owner: nn.Module, key: str, build: Callable[[], nn.Module], options: CompileOptions
 ) -> CompiledModule | None:
-    """A drafter's compiled drafting block, kept on the drafter's model `owner` as the decoder's engine is kept on
-    its model, with the same rules: rebuilt when `owner`'s weights change, `None` with a warning where compilation
-    is unavailable.
+    """A drafter's compiled drafting block, kept for the drafter's model `owner` as the decoder's engine is kept
+    for its model, with the same rules: rebuilt when `owner`'s weights change, `None` with a warning where
+    compilation is unavailable.
 
     Args:
         owner (`nn.Module`): the drafter's model (its weights and the base's it reads).
         key (`str`): which block of `owner` (a drafter model may have one per block size).
-        build (`Callable[[], nn.Module]`): makes the module to compile, on first use.
+        build (`Callable[[], nn.Module]`): makes the module to compile, on first use; it must not hold `owner`
+            itself (the registry is keyed weakly by `owner`).
     """
-    return _kept(owner, f"{_BLOCK_ATTRIBUTE}_{key}", options, lambda: CompiledModule(build(), options, owner))
+    return _kept(owner, f"block:{key}", options, lambda: CompiledModule(build(), options, owner))
 
 
-def _kept(owner: nn.Module, attribute: str, options: CompileOptions, build: Callable[[], Any]) -> Any:
-    """The compiled object kept on `owner` under `attribute`, (re)built by `build` when missing, compiled with other
+def _kept(owner: nn.Module, key: str, options: CompileOptions, build: Callable[[], Any]) -> Any:
+    """The compiled object kept for `owner` under `key`, (re)built by `build` when missing, compiled with other
     options or holding stale weights."""
-    engine = owner.__dict__.get(attribute)
+    entries = _COMPILED.setdefault(owner, {})
+    engine = entries.get(key)
     if engine is not None and engine.options == options:
         if engine.fingerprint == weights_fingerprint(owner):
             return engine
         warnings.warn(
             f"The weights of this {type(owner).__name__} changed since it was compiled; compiling it again "
-            "(torch.compiler.reset(): the graphs of other compiled models are compiled again too when next used)",
+            "(other models keep their compiled graphs)",
             stacklevel=4,
         )
-        # dynamo keeps graphs by code and guards, which do not look at weight values: a frozen graph of this model
-        # would be found again by a new engine, so every graph goes
-        torch.compiler.reset()
+    if engine is not None:  # its graphs are reachable through it only (its own code object): dropping it drops them
+        engine.close()
+        del entries[key]
     try:
         replacement = build()
     except CompileUnavailableError as error:
         warnings.warn(f"blockwise_compile: {error}; decoding eagerly instead", stacklevel=4)
         return None
-    if engine is not None:
-        engine.close()
-    owner.__dict__[attribute] = replacement  # a plain attribute: not a submodule, not in the state dict
+    entries[key] = replacement
     return replacement
 
 
 def engine_of(model: nn.Module) -> CompiledDecoder | None:
     """The engine `blockwise_compile=` built for `model`, or `None` where it has none."""
-    return model.__dict__.get(_ENGINE_ATTRIBUTE)
+    return _COMPILED.get(model, {}).get(_DECODER_KEY)
+
+
+def drop_compiled(model: nn.Module | None = None) -> None:
+    """Drops the compiled engine and drafting blocks kept for `model` (every model's with `None`); the next
+    compiled call compiles again. Other models' graphs are untouched.
+
+    Freeing the memory of a dropped graph is up to torch: in torch 2.13 the frozen weights of a dropped graph stayed
+    resident, measured alike after `torch.compiler.reset()`.
+    """
+    owners = list(_COMPILED) if model is None else [model]
+    for owner in owners:
+        for compiled in _COMPILED.pop(owner, {}).values():
+            compiled.close()

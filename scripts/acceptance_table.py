@@ -12,7 +12,6 @@ against transformers' greedy in the same run).
 
 from __future__ import annotations
 
-import dataclasses
 import gzip
 import json
 import os
@@ -23,10 +22,10 @@ from pathlib import Path
 
 import torch
 
+from hf_blockwise.loading import load_model
 from hf_blockwise.serialization import atomic_write_text
 from hf_blockwise.tools.arguments import parse_dataclass_args
-from hf_blockwise.tools.bench import run_bench
-from hf_blockwise.tools.loading import load_for_bench
+from hf_blockwise.tools.bench import BenchSetup, run_bench
 
 DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -51,18 +50,18 @@ def read_sources(path: str, count: int) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_dataclass_args(AcceptanceTableArguments, argv, __doc__.split("\n", 1)[0])
     torch.set_num_threads(args.threads)
-    setup = load_for_bench(args.model, None, args.max_new_tokens)
+    loaded = load_model(args.model)
     rows: dict[str, list[int]] = {"oracle": list(args.block_sizes)}
-    if setup.heads_model is not None:
-        rows["heads"] = [k for k in args.block_sizes if k <= setup.heads_model.blockwise_config.block_size]
-    if setup.sequential_heads_model is not None:
-        trained = setup.sequential_heads_model.blockwise_config.block_size
+    if loaded.heads_model is not None:
+        rows["heads"] = [k for k in args.block_sizes if k <= loaded.heads_model.blockwise_config.block_size]
+    if loaded.sequential_heads_model is not None:
+        trained = loaded.sequential_heads_model.blockwise_config.block_size
         rows["seq_heads"] = [k for k in args.block_sizes if k <= trained]
-    if setup.feature_model is not None:
+    if loaded.feature_model is not None:
         rows["feature"] = list(args.block_sizes)
     modes = ["greedy"] + [f"{row}_k{k}" for row, sizes in rows.items() if row != "oracle" for k in sizes]
     modes += ["oracle"]
-    setup = dataclasses.replace(setup, oracle_block_sizes=tuple(rows["oracle"]))
+    setup = BenchSetup(loaded, args.max_new_tokens, oracle_block_sizes=tuple(rows["oracle"]))
     started = time.time()
     results = run_bench(setup, read_sources(args.sources, args.sentences), None, modes, [1])
     by_mode = {result.mode: result for result in results}

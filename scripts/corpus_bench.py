@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as transformers_logging
 
+from hf_blockwise.corpus.job import CorpusOptions, make_job, run_job
+from hf_blockwise.loading import load_model
 from hf_blockwise.serialization import atomic_write_text
 from hf_blockwise.tools.bench import read_lines
-from hf_blockwise.tools.corpus.job import CorpusOptions, make_job, run_job
-from hf_blockwise.tools.loading import load_for_bench
 
 
 def naive_loop(setup, texts: list[str], batch_size: int, max_new_tokens: int) -> list[str]:
@@ -65,7 +65,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     transformers_logging.set_verbosity_error()
     texts = read_lines(args.input)[: args.lines]
-    setup = load_for_bench(args.model, None, args.max_new_tokens)
+    setup = load_model(args.model)
     count = lambda lines: sum(len(setup.tokenizer(line, add_special_tokens=False).input_ids) for line in lines)  # noqa: E731
     generate_kwargs = {"max_new_tokens": args.max_new_tokens}
     rows, folder = [], Path(tempfile.mkdtemp(prefix="corpus-bench-"))

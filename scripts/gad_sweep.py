@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers.utils import logging as transformers_logging
 
+from hf_blockwise.evaluation import ModeResult
+from hf_blockwise.loading import load_model
 from hf_blockwise.serialization import atomic_write, atomic_write_text
 from hf_blockwise.tools.arguments import parse_dataclass_args
-from hf_blockwise.tools.bench import ModeResult, read_lines, run_bench
-from hf_blockwise.tools.loading import load_for_bench
+from hf_blockwise.tools.bench import BenchSetup, read_lines, run_bench
 
 
 @dataclass
@@ -117,8 +118,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     sources = read_lines(args.source_file)[: args.sentences]
     references = read_lines(args.reference_file)[: args.sentences] if args.reference_file else None
-    setup = load_for_bench(args.model, None, args.max_new_tokens, nar_drafter_path=args.nar_drafter)
-    if setup.nar_drafter is None:
+    setup = BenchSetup(load_model(args.model, nar_drafter_path=args.nar_drafter), args.max_new_tokens)
+    if setup.loaded.nar_model is None:
         raise SystemExit(f"{args.model} ships no nar-drafter; pass --nar-drafter")
     pp_block_size = args.gad_pp_block_size or max(args.block_sizes)
     runs = variants(setup, args.block_sizes, pp_block_size, args.betas, args.taus, args.fixed_beta, args.fixed_tau)
@@ -129,8 +130,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "sentences": len(sources),
         "threads": torch.get_num_threads(),
         "batch_size": 1,
-        "device": str(next(setup.base.parameters()).device),
-        "drafter_block_size": setup.nar_drafter.config.block_size,
+        "device": str(next(setup.loaded.base.parameters()).device),
+        "drafter_block_size": setup.loaded.nar_model.nar_config.block_size,
     }
     report = {"settings": settings, "results": [result.summary() for result in results]}
     atomic_write_text(os.path.join(args.out, "sweep.json"), json.dumps(report, indent=2) + "\n")

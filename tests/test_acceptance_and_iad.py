@@ -178,6 +178,8 @@ def test_input_copy_handles_padding_on_either_side() -> None:
 class CopySource(LogitsProcessor):
     """Forces output token t to be source token t (then EOS): greedy decoding becomes a copy of the input."""
 
+    row_local = True  # row i reads only its own source row
+
     def __init__(self, input_ids: torch.Tensor, eos_token_id: int, prompt_length: int = 1) -> None:
         self.input_ids, self.eos, self.prompt = input_ids, eos_token_id, prompt_length
 

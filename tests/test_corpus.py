@@ -19,9 +19,9 @@ from conftest import build_model, word_tokenizer
 
 from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, FeatureDrafterConfig, FeatureDrafterModel
 from hf_blockwise import boundary as hf
+from hf_blockwise.corpus import generate_corpus, plan_batches, read_sources
+from hf_blockwise.corpus.planning import chunks_of_shard
 from hf_blockwise.tools.cli import main
-from hf_blockwise.tools.corpus import generate_corpus, plan_batches, read_sources
-from hf_blockwise.tools.corpus.planning import chunks_of_shard
 
 MAX_NEW_TOKENS = 16
 REPO = Path(__file__).resolve().parents[1]

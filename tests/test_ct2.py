@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from conftest import build_model, word_tokenizer
 
+from hf_blockwise.loading import LoadedModel
 from hf_blockwise.tools import ct2
 from hf_blockwise.tools.bench import BenchSetup, run_bench
 
@@ -42,7 +43,7 @@ def test_converted_marian_decodes_what_transformers_greedy_decodes(tmp_path) -> 
 
 def test_bench_times_ctranslate2_beside_transformers_greedy() -> None:
     base, tokenizer = marian_with_pad_first(), word_tokenizer()
-    setup = BenchSetup(base=base, tokenizer=tokenizer, max_new_tokens=16)
+    setup = BenchSetup(LoadedModel(base=base, tokenizer=tokenizer), max_new_tokens=16)
     results = run_bench(setup, sentences(6, seed=9), None, ["greedy", "ct2", "ct2_int8"], [1, 3], progress=False)
     by_row = {(result.mode, result.batch_size): result for result in results}
     assert set(by_row) == {(mode, size) for mode in ("greedy", "ct2", "ct2_int8") for size in (1, 3)}

@@ -16,7 +16,7 @@ from hf_blockwise import (
     BlockwiseHeadsModel,
     FeatureDrafterConfig,
     FeatureDrafterModel,
-    NonAutoregressiveDrafter,
+    NARDrafterModel,
 )
 from hf_blockwise.tools.cli import main
 from hf_blockwise.training.distill import distill_dataset, distill_texts
@@ -66,6 +66,8 @@ def test_demo_runs_offline_on_a_saved_directory(tmp_path, capsys) -> None:
     )
     printed = capsys.readouterr().out
     assert printed.count("[identical: True]") == 2 and "mean accepted block" in printed and "speedup" in printed
+    # the one-time compilation is announced before it starts, and its measured time after
+    assert printed.index("compiling the decoder's verification forward") < printed.index("compiled (inductor")
     arguments = ["demo", "--model", str(tmp_path), "--repeats", "1", "--max-new-tokens", "20", "--int8", "w5 w6 w7"]
     assert main(arguments) == 0
     printed = capsys.readouterr().out
@@ -92,9 +94,7 @@ def test_bench_compares_every_mode_and_writes_reports(tmp_path, capsys) -> None:
     tokenizer.save_pretrained(checkpoint)
     model.save_pretrained(checkpoint, base_model_name_or_path=".")
     # a drafter shipped beside the model is found by the gad modes without --nar-drafter
-    NonAutoregressiveDrafter.from_verifier(base, mask_token_id=2, block_size=4).save_pretrained(
-        checkpoint / "nar-drafter"
-    )
+    NARDrafterModel.from_verifier(base, mask_token_id=2, block_size=4).save_pretrained(checkpoint / "nar-drafter")
     # so are a feature drafter and sequential heads (saved naming the base as the folder above)
     FeatureDrafterModel(base, FeatureDrafterConfig(block_size=4)).save_pretrained(
         checkpoint / "feature-drafter", base_model_name_or_path=".."
@@ -171,7 +171,7 @@ def test_gad_sweep_times_every_setting_against_one_greedy_run(tmp_path) -> None:
     base, tokenizer = build_model("marian", seed=5), word_tokenizer()
     base.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
-    drafter = NonAutoregressiveDrafter.from_verifier(base, mask_token_id=2, block_size=4)
+    drafter = NARDrafterModel.from_verifier(base, mask_token_id=2, block_size=4)
     drafter.save_pretrained(tmp_path / "model" / "nar-drafter")
     sources = tmp_path / "sources.txt"
     sources.write_text("\n".join(SOURCES[:4]) + "\n")

@@ -8,7 +8,9 @@ Each model compiles its graphs once per process (batch 1 and batch > 1), so the 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -18,7 +20,8 @@ from hf_blockwise import blockwise_generate, first_divergence
 from hf_blockwise import engine as engine_module
 from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts, NoDrafter
 from hf_blockwise.drafters.feature import FeatureDrafter
-from hf_blockwise.engine import CompileOptions, compiled_decoder
+from hf_blockwise.engine import CompileOptions, compiled_decoder, drop_compiled, engine_of
+from hf_blockwise.evaluation.harness import measure
 from hf_blockwise.modeling.config import FeatureDrafterConfig
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
 
@@ -75,7 +78,11 @@ def test_no_recompiles_or_graph_breaks_once_warm(compiled_models) -> None:
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == breaks_before
 
 
-def test_changed_weights_are_recompiled_not_served_stale(compiled_models) -> None:
+def test_changed_weights_are_recompiled_not_served_stale_and_other_models_keep_their_graphs(compiled_models) -> None:
+    other = compiled_models["t5"]
+    other_batch = random_batch(other, 2, seed=9)
+    other_output = _generate(other, other_batch, blockwise_compile=True)
+    other_engine = engine_of(other)
     model = build_model("marian", seed=3)
     batch = random_batch(model, 2, seed=2)
     _generate(model, batch, blockwise_compile=True)
@@ -86,6 +93,78 @@ def test_changed_weights_are_recompiled_not_served_stale(compiled_models) -> Non
         after = _generate(model, batch, blockwise_compile=True)
     assert compiled_decoder(model, CompileOptions()) is not first
     _assert_equal_or_near_tie(model, batch, model.generate(**batch, max_new_tokens=20), after)
+    # no process-wide reset: the other model's engine and its graphs are still there, served without recompiling
+    assert engine_of(other) is other_engine
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert torch.equal(_generate(other, other_batch, blockwise_compile=True), other_output)
+
+
+def test_a_new_engine_of_the_same_model_compiles_its_own_graphs() -> None:
+    """Dynamo guards do not look at weight values: an engine sharing its code object with the model's dropped one
+    would be served the old frozen graph. Each engine has its own, so after `drop_compiled` and an in-place weight
+    change (no warning: nothing compiled is left to compare with) the new engine computes with the new weights."""
+    model = build_model("marian", seed=5)
+    batch = random_batch(model, 2, seed=4)
+    before = _generate(model, batch, blockwise_compile=True)
+    first = engine_of(model)
+    projection = model.get_output_embeddings()
+    drop_compiled(model)
+    assert engine_of(model) is None and not projection._forward_hooks  # the engine's hook went with it
+    with torch.no_grad():
+        projection.weight.mul_(-1.0)
+    after = _generate(model, batch, blockwise_compile=True)
+    assert engine_of(model) is not first
+    assert not torch.equal(after, before)
+    _assert_equal_or_near_tie(model, batch, model.generate(**batch, max_new_tokens=20), after)
+
+
+def test_the_registry_does_not_keep_a_model_alive() -> None:
+    model = build_model("bart", seed=6)
+    _generate(model, random_batch(model, 1, seed=1), blockwise_compile=True)
+    assert engine_of(model) is not None
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
+
+
+def test_a_compiled_call_leaves_no_global_config_changed() -> None:
+    """The recompile limit is not raised (each engine has its own code object, so its few graphs stay within
+    dynamo's per-code limit) and inductor's freezing is set around the engine's calls only."""
+    dynamo_before = torch._dynamo.config.get_config_copy()
+    inductor_before = torch._inductor.config.get_config_copy()
+    model = build_model("pegasus", seed=2)
+    for batch_size in (1, 3):  # both graphs compiled: the first compiled call of each
+        _generate(model, random_batch(model, batch_size, seed=batch_size), blockwise_compile=True)
+    assert engine_of(model) is not None and engine_of(model).freezing
+    assert torch._dynamo.config.get_config_copy() == dynamo_before
+    assert torch._inductor.config.get_config_copy() == inductor_before
+    assert torch._dynamo.config.recompile_limit == dynamo_before["recompile_limit"]
+    assert torch._inductor.config.freezing == inductor_before["freezing"]
+
+
+def test_compiled_forwards_come_back_in_the_stats_and_the_harness_counts_them(compiled_models) -> None:
+    model = compiled_models["marian"]
+    batch = random_batch(model, 3, seed=15)
+    greedy = _generate(model, batch, blockwise_compile=True)
+    drafter = OracleDrafter(greedy, block_size=4, corruption=0.3, seed=1)
+    output = _generate(model, batch, assistant=drafter, blockwise_compile=True, return_dict_in_generate=True)
+    stats = output.decoding_stats
+    assert stats.compiled_forwards == stats.num_forwards - 1  # the first pass of a call runs eagerly
+    row = stats[0]
+    assert 0 < row.compiled_forwards == row.num_forwards - 1
+    eager = _generate(model, batch, assistant=drafter, return_dict_in_generate=True).decoding_stats
+    assert eager.compiled_forwards == 0
+    runners = {
+        "compiled": lambda inputs, _: _generate(
+            model, inputs, assistant=drafter, blockwise_compile=True, return_dict_in_generate=True
+        ),
+        "eager": lambda inputs, _: _generate(model, inputs, assistant=drafter, return_dict_in_generate=True),
+    }
+    pad_token_id = model.config.pad_token_id
+    results = measure(runners, [batch], pad_token_id=pad_token_id, count_forwards_of=[model], progress=False)
+    assert results["compiled"].decoder_forwards == stats.num_forwards  # hooked eager pass + reported compiled ones
+    assert results["eager"].decoder_forwards == eager.num_forwards
 
 
 def test_unavailable_compiler_warns_and_decodes_eagerly(monkeypatch) -> None:

@@ -24,6 +24,7 @@ from hf_blockwise import (
     check_decoder,
 )
 from hf_blockwise import boundary as hf
+from hf_blockwise.generation.capability import clear_verdicts
 
 # The architectures beyond the core seven, which run the full matrix in test_exactness.py.
 EXTRA = sorted(set(ALL_ARCHITECTURES) - set(CORE_ARCHITECTURES) - set(REFUSED_ARCHITECTURES))
@@ -114,6 +115,47 @@ def test_decoders_that_cannot_verify_are_refused_clearly(architecture: str) -> N
     # one token per step needs no multi-token verification: the loop without a drafter is still greedy
     plain = base.generate(**batch, custom_generate=blockwise_generate, assistant=None, max_new_tokens=12)
     assert torch.equal(plain, greedy)
+
+
+def _raise_outside_the_model(error: Exception):
+    def fail(*args, **kwargs):
+        raise error
+
+    return fail
+
+
+@pytest.mark.parametrize("error", [AttributeError("'EncoderDecoderCache' has no attribute 'crop'"), RuntimeError("x")])
+def test_an_exception_outside_the_models_code_propagates_and_is_not_kept(monkeypatch, error: Exception) -> None:
+    """A bug in `boundary/` (here, its cache crop after an upgrade) is not a model limitation: it propagates with its
+    traceback, whatever its type, and no verdict is kept, so the model is probed again once it is fixed."""
+    base = build_model("marian", seed=7)
+    with monkeypatch.context() as patch:
+        patch.setattr(hf, "crop_cache", _raise_outside_the_model(error))
+        with pytest.raises(type(error), match=str(error)) as raised:
+            check_decoder(base)
+    assert not isinstance(raised.value, UnsupportedModelError)
+    assert raised.traceback[-1].name == "fail"  # the original traceback, down to where it was raised
+    assert not check_decoder(base).positions_count_non_pad
+
+
+def test_a_kept_verdict_is_cleared_and_the_model_probed_again(monkeypatch) -> None:
+    probes = []
+    probe_inputs = hf.probe_inputs
+    monkeypatch.setattr(hf, "probe_inputs", lambda model, length: probes.append(model) or probe_inputs(model, length))
+    refused, supported = build_model("prophetnet"), build_model("t5", seed=8)
+    for _ in range(2):
+        with pytest.raises(UnsupportedModelError, match=r"ProphetNet.*AssertionError"):
+            check_decoder(refused)
+        check_decoder(supported)
+    assert probes == [refused, supported]  # kept per model
+    clear_verdicts(refused)
+    with pytest.raises(UnsupportedModelError):
+        check_decoder(refused)
+    check_decoder(supported)
+    assert probes == [refused, supported, refused]
+    clear_verdicts()
+    check_decoder(supported)
+    assert probes == [refused, supported, refused, supported]
 
 
 @pytest.mark.parametrize("architecture", REFUSED_ARCHITECTURES)

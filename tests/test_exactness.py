@@ -24,7 +24,7 @@ from hf_blockwise import (
     blockwise_generate,
     first_divergence,
 )
-from hf_blockwise.drafters.nar import NonAutoregressiveDrafter
+from hf_blockwise.modeling.nar_model import NARDrafterModel
 
 GENERATE_ARGUMENTS = {
     "max_new_tokens": lambda model: {"max_new_tokens": 24},
@@ -106,7 +106,7 @@ def blockwise_output(base, batch, greedy, drafter_name: str, block_size: int, se
         drafter = OracleDrafter(greedy, block_size=block_size, corruption=0.3, seed=seed)
     elif drafter_name == "nar":
         # one decoder layer copied from the base: drafts that are right often, but far from always
-        drafter = NonAutoregressiveDrafter.from_verifier(base, mask_token_id=3, block_size=block_size)
+        drafter = NARDrafterModel.from_verifier(base, mask_token_id=3, block_size=block_size).drafter()
     else:
         drafter = InputCopyDrafter(base, max_draft_length=block_size - 1, max_ngram=3)
     return base.generate(**batch, custom_generate=blockwise_generate, assistant=drafter, acceptance=rule, **kwargs)

@@ -11,8 +11,8 @@ from conftest import ARCHITECTURES, build_model, random_batch
 from datasets import Dataset
 from test_exactness import GENERATE_ARGUMENTS, assert_same_as_greedy
 
-from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, InputCopyDrafter, blockwise_generate
-from hf_blockwise.drafters.base import VerifiedStates
+from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, InputCopyDrafter, NARDrafterModel, blockwise_generate
+from hf_blockwise.drafters.base import Drafter, VerifiedStates
 from hf_blockwise.drafters.composite import CompositeDrafter
 from hf_blockwise.drafters.feature import merge_verified
 from hf_blockwise.modeling.config import FeatureDrafterConfig
@@ -297,3 +297,55 @@ def test_composite_defers_the_feature_drafter_while_the_copy_serves(fitted_maria
     output = base.generate(**echo, custom_generate=blockwise_generate, assistant=drafter, max_new_tokens=MAX_NEW_TOKENS)
     assert torch.equal(output, expected)
     assert observed  # some steps deferred the feature drafter
+
+
+class _RecordingDrafter(Drafter):
+    """Hands everything to `drafter` and records what its `select_rows` was given and returned, with how many rows
+    the returned state held then."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter, self.block_size = drafter, drafter.block_size
+        self.reads_decoder_states = drafter.reads_decoder_states
+        self.selections = []
+
+    def prepare(self, encoder_input_ids, encoder_attention_mask):
+        return self.drafter.prepare(encoder_input_ids, encoder_attention_mask)
+
+    def select_rows(self, drafter_state, rows):
+        result = self.drafter.select_rows(drafter_state, rows)
+        held = getattr(result, "keys", None)  # the feature drafter's cache, or the NAR drafter's encoder output
+        held = result.encoder_outputs.last_hidden_state if held is None and hasattr(result, "encoder_outputs") else held
+        self.selections.append((drafter_state, result, int(rows.numel()), None if held is None else held.shape[0]))
+        return result
+
+    def get_candidates(self, request):
+        return self.drafter.get_candidates(request)
+
+    def observe(self, request) -> None:
+        self.drafter.observe(request)
+
+
+@pytest.mark.parametrize("kind", ["feature", "nar"])
+def test_a_mutable_draft_state_is_narrowed_in_place_as_rows_leave(kind: str) -> None:
+    """One rule for per-call draft state (`drafters/base.py`): updated in place by each step, and narrowed in place
+    by `select_rows`, which returns the same object, holding only the rows that keep decoding."""
+    base = build_model("marian", seed=2)
+    batch = random_batch(base, 4, seed=4)
+    plain = base.generate(**batch, max_new_tokens=16)
+    # a row ends early, and none in the first steps (the feature drafter's cache is made by its first take-in)
+    eos = next(int(token) for row in plain for token in row[4:] if not (plain[:, 1:4] == token).any())
+    greedy = base.generate(**batch, max_new_tokens=16, eos_token_id=eos)
+    if kind == "feature":
+        config = FeatureDrafterConfig(block_size=4, training_depth=2)
+        drafter = FeatureDrafterModel(base, config).eval().drafter()
+    else:
+        drafter = NARDrafterModel.from_verifier(base, mask_token_id=3, block_size=4).drafter()
+    recording = _RecordingDrafter(drafter)
+    output = base.generate(
+        **batch, custom_generate=blockwise_generate, assistant=recording, max_new_tokens=16, eos_token_id=eos
+    )
+    assert torch.equal(output, greedy)
+    assert any(0 < num_rows < 4 for _, _, num_rows, _ in recording.selections)  # rows left while others decoded on
+    for state, result, num_rows, held in recording.selections:
+        assert result is state
+        assert held == num_rows

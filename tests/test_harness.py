@@ -13,9 +13,10 @@ import torch
 from conftest import VOCAB_SIZE, build_model, word_tokenizer
 
 from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, compare_to_greedy
+from hf_blockwise.evaluation.harness import ModeResult, generated_tokens, measure, same_output
+from hf_blockwise.loading import LoadedModel
 from hf_blockwise.tools.bench import (
     BenchSetup,
-    ModeResult,
     markdown_table,
     mode_colours,
     run_bench,
@@ -23,7 +24,6 @@ from hf_blockwise.tools.bench import (
     write_report,
 )
 from hf_blockwise.tools.cli import main
-from hf_blockwise.tools.harness import generated_tokens, measure, same_output
 from hf_blockwise.tools.model_configs import MODEL_CONFIGS, resolve_name
 from hf_blockwise.tools.model_configs import build_model as build_shaped_model
 
@@ -78,7 +78,8 @@ def test_measure_interleaves_modes_and_compares_each_with_its_reference() -> Non
         rows[1, 0] = 2  # another start token: still identical
         if index == 1:
             rows[1, 1] = 4  # a real difference
-        stats = SimpleNamespace(accepted=torch.tensor([[3, 2], [1, 0]]))  # (steps, B); 0: row finished
+        # (steps, B); 0: row finished. Eager: no compiled forwards for the harness to add to its hook counts
+        stats = SimpleNamespace(accepted=torch.tensor([[3, 2], [1, 0]]), compiled_forwards=0)
         return SimpleNamespace(sequences=rows, decoding_stats=stats)
 
     results = measure(
@@ -111,7 +112,7 @@ def random_ids(count: int, seed: int) -> list[list[int]]:
 
 def test_oracle_and_loop_modes_on_a_tiny_model(capsys) -> None:
     base = build_model("marian", seed=4)
-    setup = BenchSetup(base=base, tokenizer=None, max_new_tokens=12, oracle_block_sizes=(2, 4))
+    setup = BenchSetup(LoadedModel(base=base, tokenizer=None), max_new_tokens=12, oracle_block_sizes=(2, 4))
     results = run_bench(setup, random_ids(4, seed=1), None, ["loop", "oracle"], [1, 3, 8], progress=False)
     assert "skipping batch size 8: larger than the 4 sentences" in capsys.readouterr().out
     rows = {(result.mode, result.batch_size): result.summary() for result in results}

@@ -24,9 +24,10 @@ from hf_blockwise import (
 )
 from hf_blockwise import boundary as hf
 from hf_blockwise.boundary import output_projection_logits, save_shipped_model
+from hf_blockwise.loading import LoadedModel, load_model
 from hf_blockwise.serialization import atomic_write_text
 from hf_blockwise.tools.bench import BenchSetup, run_bench
-from hf_blockwise.tools.cli import SHIPPED_MODEL, load_for_bench
+from hf_blockwise.tools.cli import SHIPPED_MODEL
 
 
 def draft(drafter, request: DraftRequest):
@@ -247,7 +248,8 @@ def test_lengths_past_the_positions_are_clear_errors(tiny_models, architecture: 
     with pytest.raises(ValueError, match=r"input is .* tokens long"):
         model.generate(input_ids=too_long, max_new_tokens=4, assistant=None)  # the plain greedy path too
     with pytest.raises(ValueError, match=f"input is {limit + 1} tokens long"):  # the bench checks before timing
-        run_bench(BenchSetup(base=base, tokenizer=None), [[5] * 4, [5] * (limit + 1)], None, ["greedy"], [1])
+        setup = BenchSetup(LoadedModel(base=base, tokenizer=None))
+        run_bench(setup, [[5] * 4, [5] * (limit + 1)], None, ["greedy"], [1])
     batch = random_batch(base, 2, seed=0)
     message = f"needs {limit + 1} decoder positions, but the decoder .* has {limit}; pass max_new_tokens={limit} or"
     with pytest.raises(ValueError, match=message):
@@ -272,8 +274,8 @@ def test_local_looking_paths_that_do_not_exist_are_clear_errors(tmp_path, monkey
         BlockwiseHeadsModel.from_pretrained("./a_file")
     hf.check_local_path("Helsinki-NLP/opus-mt-en-de", "model")  # may be a hub id: left to transformers
     hf.check_local_path("checkpoints", "model")  # exists
-    with pytest.raises(ValueError, match="--model 'checkpoints/nope': no such directory"):
-        load_for_bench("checkpoints/nope", None, max_new_tokens=4)
+    with pytest.raises(ValueError, match="model_path 'checkpoints/nope': no such directory"):
+        load_model("checkpoints/nope")
 
 
 def test_bad_calls_are_refused(tiny_models) -> None:

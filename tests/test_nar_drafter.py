@@ -20,6 +20,7 @@ from hf_blockwise import (
     BlockwiseHeadsModel,
     GADPlusPlusAcceptance,
     NARDrafterConfig,
+    NARDrafterModel,
     NonAutoregressiveDrafter,
     blockwise_generate,
 )
@@ -86,7 +87,7 @@ def test_a_drafter_equal_to_the_verifier_has_every_draft_accepted(tiny_models, a
     batch = random_batch(base, 4, seed=6)
     greedy = base.generate(**batch, do_sample=False, num_beams=1, max_new_tokens=20)
     unused = sorted(set(range(base.config.vocab_size)) - set(greedy.flatten().tolist()))[0]
-    drafter = NonAutoregressiveDrafter.from_verifier(base, mask_token_id=unused, block_size=2, decoder_layers=None)
+    drafter = NARDrafterModel.from_verifier(base, mask_token_id=unused, block_size=2, decoder_layers=None).drafter()
     output = base.generate(
         **batch, custom_generate=blockwise_generate, assistant=drafter, max_new_tokens=20, return_dict_in_generate=True
     )
@@ -116,10 +117,10 @@ def test_the_drafters_cache_changes_no_draft(tiny_models, architecture: str) -> 
     """Rows of different lengths, drafts partly rejected: the cache must keep exactly the verified tokens."""
     base = tiny_models[architecture]
     batch = random_batch(base, 4, seed=9)
-    source = NonAutoregressiveDrafter.from_verifier(base, mask_token_id=MASK, block_size=5, decoder_layers=None)
+    source = NARDrafterModel.from_verifier(base, mask_token_id=MASK, block_size=5, decoder_layers=None)
     runs = {}
     for use_cache in (True, False):
-        drafter = RecordingDrafter(source.model, source.config, verifier=base, use_cache=use_cache)
+        drafter = RecordingDrafter(source, verifier=base, use_cache=use_cache)
         output = base.generate(
             **batch, custom_generate=blockwise_generate, assistant=drafter, max_new_tokens=20,
             return_dict_in_generate=True,
@@ -136,7 +137,7 @@ def test_the_drafters_cache_changes_no_draft(tiny_models, architecture: str) -> 
 def test_gad_plus_plus_runs_with_the_drafter(tiny_models) -> None:
     base = tiny_models["bart"]
     batch = random_batch(base, 3, seed=7)
-    drafter = NonAutoregressiveDrafter.from_verifier(base, mask_token_id=MASK, block_size=5)
+    drafter = NARDrafterModel.from_verifier(base, mask_token_id=MASK, block_size=5).drafter()
     exact = base.generate(**batch, custom_generate=blockwise_generate, assistant=drafter, max_new_tokens=16,
                           return_dict_in_generate=True)  # fmt: skip
     loose = base.generate(
@@ -149,29 +150,48 @@ def test_gad_plus_plus_runs_with_the_drafter(tiny_models) -> None:
 def test_drafter_works_beside_a_heads_model(tiny_models) -> None:
     base = tiny_models["marian"]
     model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3))
-    drafter = NonAutoregressiveDrafter.from_verifier(model, mask_token_id=MASK, block_size=4)
+    drafter = NARDrafterModel.from_verifier(model, mask_token_id=MASK, block_size=4).drafter(verifier=model)
     batch = random_batch(base, 2, seed=8)
     greedy = base.generate(**batch, do_sample=False, num_beams=1, max_new_tokens=16)
     assert torch.equal(model.generate(**batch, assistant=drafter, max_new_tokens=16), greedy)
 
 
+def test_a_drafter_model_in_training_mode_is_refused_and_its_mode_left_alone(tiny_models) -> None:
+    """Dropout would make the drafts random; the drafter neither switches the caller's model to eval nor drafts
+    with dropout: it says what to do."""
+    base = tiny_models["marian"]
+    nar = NARDrafterModel.from_verifier(base, mask_token_id=MASK, block_size=4)
+    batch = random_batch(base, 2, seed=9)
+    nar.model.train()
+    with pytest.raises(ValueError, match=r"is in training mode.*call \.eval\(\) on it"):
+        base.generate(**batch, custom_generate=blockwise_generate, assistant=nar.drafter(), max_new_tokens=12)
+    assert nar.model.training
+    nar.model.eval()
+    output = base.generate(**batch, custom_generate=blockwise_generate, assistant=nar.drafter(), max_new_tokens=12)
+    assert torch.equal(output, base.generate(**batch, max_new_tokens=12))
+    assert not nar.model.training
+
+
 def test_bad_input_gets_clear_errors(tiny_models) -> None:
     base = tiny_models["bart"]
-    drafter = NonAutoregressiveDrafter.from_verifier(base, mask_token_id=MASK, block_size=4)
+    nar = NARDrafterModel.from_verifier(base, mask_token_id=MASK, block_size=4)
+    drafter = nar.drafter()
     with pytest.raises(ValueError, match="block_size must be between 2 and the drafter's trained block size 4"):
-        NonAutoregressiveDrafter(drafter.model, drafter.config, block_size=5)
+        NonAutoregressiveDrafter(nar, block_size=5)
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        NonAutoregressiveDrafter(drafter.model, NARDrafterConfig(mask_token_id=10_000))
+        NARDrafterModel(nar.model, NARDrafterConfig(mask_token_id=10_000)).drafter()
     with pytest.raises(ValueError, match="mask_token_id must be a non-negative int"):
         NARDrafterConfig(mask_token_id=-1)
+    with pytest.raises(TypeError, match="config must be a NARDrafterConfig"):
+        NARDrafterModel(nar.model, {"mask_token_id": MASK})
     with pytest.raises(ValueError, match="decoder_layers of the drafter must be between 1 and the verifier's 2"):
-        NonAutoregressiveDrafter.from_verifier(base, mask_token_id=MASK, decoder_layers=3)
+        NARDrafterModel.from_verifier(base, mask_token_id=MASK, decoder_layers=3)
     other = build_model("marian")
     other.resize_token_embeddings(80)
     with pytest.raises(ValueError, match="vocabulary has 64 tokens but the verifier's has 80"):
-        NonAutoregressiveDrafter(drafter.model, drafter.config, verifier=other)
+        nar.drafter(verifier=other)
     with pytest.raises(ValueError, match="starts decoding with token 2 but the verifier with 0"):
-        NonAutoregressiveDrafter(drafter.model, drafter.config, verifier=build_model("marian"))
+        nar.drafter(verifier=build_model("marian"))
     batch = random_batch(base, 1, seed=0)
     embeds = base.get_input_embeddings()(batch["input_ids"])
     with pytest.raises(ValueError, match="needs its token ids"):
@@ -183,33 +203,33 @@ def test_bad_input_gets_clear_errors(tiny_models) -> None:
 
 def test_save_and_load_round_trip(tmp_path, tiny_models) -> None:
     base = tiny_models["t5"]
-    drafter = NonAutoregressiveDrafter.from_verifier(base, mask_token_id=MASK, block_size=6, verifier_name_or_path="b")
+    drafter = NARDrafterModel.from_verifier(base, mask_token_id=MASK, block_size=6, verifier_name_or_path="b")
     drafter.save_pretrained(tmp_path / "d")
     assert sorted(name for name in os.listdir(tmp_path / "d") if not name.startswith(".")) == [
         "config.json", "generation_config.json", "model.safetensors", "nar_drafter_config.json",
     ]  # fmt: skip
     assert json.loads((tmp_path / "d" / "nar_drafter_config.json").read_text())["block_size"] == 6
-    loaded = NonAutoregressiveDrafter.from_pretrained(tmp_path / "d", block_size=4, verifier=base)
-    assert loaded.block_size == 4 and loaded.config == drafter.config
+    loaded = NARDrafterModel.from_pretrained(tmp_path / "d", verifier=base)
+    assert loaded.nar_config == drafter.nar_config and loaded.drafter(4).block_size == 4
     for name, tensor in drafter.model.state_dict().items():
         torch.testing.assert_close(loaded.model.state_dict()[name], tensor)
     batch = random_batch(base, 3, seed=9)
     run = dict(custom_generate=blockwise_generate, max_new_tokens=16, return_dict_in_generate=True)
-    first = base.generate(**batch, assistant=NonAutoregressiveDrafter(drafter.model, drafter.config, 4), **run)
-    second = base.generate(**batch, assistant=loaded, **run)
+    first = base.generate(**batch, assistant=NonAutoregressiveDrafter(drafter, 4), **run)
+    second = base.generate(**batch, assistant=loaded.drafter(4), **run)
     assert torch.equal(first.decoding_stats.accepted, second.decoding_stats.accepted)
 
     (tmp_path / "d" / "nar_drafter_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
-        NonAutoregressiveDrafter.from_pretrained(tmp_path / "d")
+        NARDrafterModel.from_pretrained(tmp_path / "d")
     with pytest.raises(FileNotFoundError, match=r"nar_drafter_config\.json"):
-        NonAutoregressiveDrafter.from_pretrained(tmp_path)
+        NARDrafterModel.from_pretrained(tmp_path)
 
 
 def test_saving_relative_to_the_verifier_keeps_only_changed_weights(tmp_path, tiny_models) -> None:
     verifier = tiny_models["marian"]
     verifier.save_pretrained(tmp_path)
-    drafter = NonAutoregressiveDrafter.from_verifier(verifier, mask_token_id=MASK, block_size=4, decoder_layers=1)
+    drafter = NARDrafterModel.from_verifier(verifier, mask_token_id=MASK, block_size=4, decoder_layers=1)
     with torch.no_grad():  # as after training with a frozen encoder: only the decoder layer moved
         for parameter in drafter.model.get_decoder().layers.parameters():
             parameter.add_(0.01)
@@ -219,8 +239,8 @@ def test_saving_relative_to_the_verifier_keeps_only_changed_weights(tmp_path, ti
     assert not (tmp_path / "d" / "model.safetensors").exists()
 
     for loaded in (
-        NonAutoregressiveDrafter.from_pretrained(tmp_path / "d"),  # the verifier named in the config
-        NonAutoregressiveDrafter.from_pretrained(tmp_path / "d", verifier=verifier),
+        NARDrafterModel.from_pretrained(tmp_path / "d"),  # the verifier named in the config
+        NARDrafterModel.from_pretrained(tmp_path / "d", verifier=verifier),
     ):
         state = loaded.model.state_dict()
         for name, tensor in drafter.model.state_dict().items():
@@ -229,14 +249,14 @@ def test_saving_relative_to_the_verifier_keeps_only_changed_weights(tmp_path, ti
     config = json.loads((tmp_path / "d" / "nar_drafter_config.json").read_text())
     (tmp_path / "d" / "nar_drafter_config.json").write_text(json.dumps({**config, "verifier_name_or_path": None}))
     with pytest.raises(ValueError, match="names no verifier; pass verifier="):
-        NonAutoregressiveDrafter.from_pretrained(tmp_path / "d")
+        NARDrafterModel.from_pretrained(tmp_path / "d")
     with pytest.raises(ValueError, match="vocabulary has 64 tokens but the verifier's has 80"):
         wrong = build_model("marian")
         wrong.resize_token_embeddings(80)
-        NonAutoregressiveDrafter.from_pretrained(tmp_path / "d", verifier=wrong)
+        NARDrafterModel.from_pretrained(tmp_path / "d", verifier=wrong)
     (tmp_path / "d" / "nar_drafter_weights.safetensors").write_bytes(b"truncated")
     with pytest.raises(ValueError, match="corrupt"):
-        NonAutoregressiveDrafter.from_pretrained(tmp_path / "d", verifier=verifier)
+        NARDrafterModel.from_pretrained(tmp_path / "d", verifier=verifier)
 
 
 def make_args(output_dir, **overrides) -> NARDrafterTrainingArguments:
@@ -267,7 +287,7 @@ def test_training_arguments_are_validated(tmp_path) -> None:
 def test_training_moves_the_decoder_only_and_checkpoints_load(tmp_path) -> None:
     verifier = build_model("marian", seed=3)
     verifier_before = {name: tensor.clone() for name, tensor in verifier.state_dict().items()}
-    drafter = NonAutoregressiveDrafter.from_verifier(verifier, mask_token_id=MASK, block_size=4, decoder_layers=1)
+    drafter = NARDrafterModel.from_verifier(verifier, mask_token_id=MASK, block_size=4, decoder_layers=1)
     before = {name: tensor.clone() for name, tensor in drafter.model.state_dict().items()}
     data = copy_task(48, seed=1)
     trainer = NARDrafterTrainer(drafter, make_args(tmp_path, freeze_encoder=True), train_dataset=data)
@@ -279,7 +299,7 @@ def test_training_moves_the_decoder_only_and_checkpoints_load(tmp_path) -> None:
     assert all(torch.equal(before[name], after[name]) for name in after if ".encoder." in name)
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert logged and {"draft_1_accuracy", "draft_3_accuracy"} <= set(logged[0])
-    reloaded = NonAutoregressiveDrafter.from_pretrained(tmp_path / "checkpoint-6", verifier=verifier)
+    reloaded = NARDrafterModel.from_pretrained(tmp_path / "checkpoint-6", verifier=verifier)
     for name, tensor in after.items():
         torch.testing.assert_close(reloaded.model.state_dict()[name], tensor)
 
@@ -291,7 +311,7 @@ def test_training_improves_acceptance_and_evaluate_reports_it(tmp_path) -> None:
         verifier.generate(input_ids=torch.tensor([row]), max_new_tokens=12)[0, 1:].tolist() for row in data["input_ids"]
     ]
     distilled = data.remove_columns("labels").add_column("labels", greedy)  # the verifier's own outputs
-    drafter = NonAutoregressiveDrafter.from_verifier(verifier, mask_token_id=MASK, block_size=4, decoder_layers=1)
+    drafter = NARDrafterModel.from_verifier(verifier, mask_token_id=MASK, block_size=4, decoder_layers=1)
     args = make_args(tmp_path, max_steps=40, save_steps=100, eval_decoding_samples=16)
     trainer = NARDrafterTrainer(drafter, args, verifier=verifier, train_dataset=distilled, eval_dataset=distilled)
     untrained = trainer.mean_accepted(distilled.select(range(16)))
@@ -304,8 +324,8 @@ def test_training_improves_acceptance_and_evaluate_reports_it(tmp_path) -> None:
 def test_resume_from_checkpoint_matches_an_uninterrupted_run(tmp_path) -> None:
     data = copy_task(48, seed=2)
 
-    def run(output_dir, resume: str | None = None) -> NonAutoregressiveDrafter:
-        drafter = NonAutoregressiveDrafter.from_verifier(build_model("t5", seed=4), mask_token_id=MASK, block_size=3)
+    def run(output_dir, resume: str | None = None) -> NARDrafterModel:
+        drafter = NARDrafterModel.from_verifier(build_model("t5", seed=4), mask_token_id=MASK, block_size=3)
         trainer = NARDrafterTrainer(drafter, make_args(output_dir, prefixes_per_example=1), train_dataset=data)
         trainer.train(resume_from_checkpoint=resume)
         return drafter

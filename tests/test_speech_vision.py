@@ -26,9 +26,9 @@ from zoo_media import (
 
 from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, blockwise_generate, check_decoder
 from hf_blockwise import boundary as hf
+from hf_blockwise.evaluation.harness import DecoderCallCounter
 from hf_blockwise.modeling.config import FeatureDrafterConfig
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
-from hf_blockwise.tools.harness import DecoderCallCounter
 
 # use_cache: Pix2Struct's text config defaults to False, which blockwise decoding refuses (tested below)
 GREEDY = {"do_sample": False, "num_beams": 1, "use_cache": True}

@@ -187,3 +187,64 @@ def test_lora_trains_adapters_and_heads_and_reloads_merged(tmp_path) -> None:
 def test_lora_arguments_are_validated(tmp_path) -> None:
     with pytest.raises(ValueError, match="lora_r must be >= 1"):
         make_args(tmp_path, base_training="lora", lora_r=0)
+
+
+@pytest.mark.parametrize("base_training", ["lora", "full"])
+def test_resume_with_a_trained_base_matches_an_uninterrupted_run(tmp_path, base_training: str) -> None:
+    """Resuming goes through the adapter checkpoint: heads plus the LoRA adapter, or plus the whole base."""
+    data = copy_task(48, seed=2)
+
+    def run(output_dir, resume: str | None = None) -> BlockwiseHeadsModel:
+        model = BlockwiseHeadsModel(build_model("bart", seed=4), BlockwiseConfig(block_size=3))
+        args = make_args(output_dir, base_training=base_training, lora_r=4)
+        BlockwiseTrainer(model=model, args=args, train_dataset=data).train(resume_from_checkpoint=resume)
+        return model
+
+    straight = run(tmp_path / "straight")
+    checkpoint = tmp_path / "straight" / "checkpoint-3"
+    files = set(os.listdir(checkpoint))
+    assert {"blockwise_heads.safetensors", "training_args.bin"} <= files
+    assert ("model.safetensors" in files) == (base_training == "full")
+    assert ("adapter_model.safetensors" in files) == (base_training == "lora")
+    resumed = run(tmp_path / "resumed", resume=str(checkpoint))
+    resumed_state = resumed.state_dict()  # heads, base and (with LoRA) its adapter
+    for name, tensor in straight.state_dict().items():
+        torch.testing.assert_close(resumed_state[name], tensor)
+    untouched = build_model("bart", seed=4).state_dict()
+    if base_training == "full":  # the base moved, and the resumed run moved it the same way
+        assert any(not torch.equal(untouched[name], t) for name, t in resumed.base_model.state_dict().items())
+
+
+def test_load_best_model_at_end_restores_the_best_checkpoints_heads(tmp_path) -> None:
+    model = BlockwiseHeadsModel(build_model("marian", seed=3), BlockwiseConfig(block_size=3))
+    data = copy_task(24, seed=5)
+    # "best" is the highest eval loss: the first checkpoint, so the end of training must roll the heads back
+    args = make_args(
+        tmp_path, eval_strategy="steps", eval_steps=3, load_best_model_at_end=True, metric_for_best_model="loss",
+        greater_is_better=True, eval_decoding_samples=4,
+    )  # fmt: skip
+    trainer = BlockwiseTrainer(model=model, args=args, train_dataset=data, eval_dataset=data)
+    trainer.train()
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-3")
+    best = BlockwiseHeadsModel.from_pretrained(tmp_path / "checkpoint-3", base_model=build_model("marian", seed=3))
+    last = BlockwiseHeadsModel.from_pretrained(tmp_path / "checkpoint-6", base_model=build_model("marian", seed=3))
+    for name, tensor in model.heads.state_dict().items():
+        assert torch.equal(tensor, best.heads.state_dict()[name]), name
+    assert any(
+        not torch.equal(tensor, last.heads.state_dict()[name]) for name, tensor in model.heads.state_dict().items()
+    )
+
+
+def test_trainers_override_no_private_trainer_method_but_through_the_boundary(tmp_path) -> None:
+    from hf_blockwise.boundary.trainer import AdapterCheckpointMixin
+    from hf_blockwise.training.feature_trainer import FeatureDrafterTrainer
+    from hf_blockwise.training.nar_trainer import NARDrafterTrainer
+
+    for trainer_class in (BlockwiseTrainer, FeatureDrafterTrainer, NARDrafterTrainer):
+        for name in ("_save", "_load_from_checkpoint", "_load_best_model"):
+            owner = next(klass for klass in trainer_class.__mro__ if name in vars(klass))
+            assert owner is AdapterCheckpointMixin, (trainer_class.__name__, name, owner.__name__)
+    model = BlockwiseHeadsModel(build_model("marian", seed=3), BlockwiseConfig(block_size=3))
+    trainer = BlockwiseTrainer(model=model, args=make_args(tmp_path), train_dataset=copy_task(8, seed=1))
+    with pytest.raises(ValueError, match="cannot save a gathered state_dict"):
+        trainer._save(str(tmp_path / "sharded"), state_dict={})

@@ -12,7 +12,7 @@ with the first k − 1 of those heads (``HeadsDrafter(model, block_size=k)``), i
 model per k. Heads get ``--head-hidden-size`` (192) units each (k = 10 then fits the 25 MB package limit).
 For each setting and k, on the first
 ``--eval-sentences`` sentences of test_2016_flickr at batch 1, greedy and blockwise decoding run back to back
-(``hf_blockwise.tools.evaluation.compare_to_greedy``): BLEU, mean accepted block, identical outputs and the
+(``hf_blockwise.evaluation.compare_to_greedy``): BLEU, mean accepted block, identical outputs and the
 wall-clock ratio to that setting's own greedy ``generate``.
 
 Exact command (from the repository root, after ``training/train_base.py`` and ``training/train_heads.py``,
@@ -43,9 +43,9 @@ from transformers import AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from hf_blockwise import BlockwiseHeadsModel
+from hf_blockwise.evaluation import compare_to_greedy
 from hf_blockwise.serialization import atomic_write_text
 from hf_blockwise.tools.arguments import parse_dataclass_args
-from hf_blockwise.tools.evaluation import compare_to_greedy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_heads

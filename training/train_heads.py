@@ -42,8 +42,8 @@ from accelerate import PartialState
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, frequent_tokens
+from hf_blockwise.evaluation import compare_to_greedy
 from hf_blockwise.tools.arguments import parse_dataclass_args
-from hf_blockwise.tools.evaluation import compare_to_greedy
 from hf_blockwise.training.blockwise_config import BlockwiseTrainingArguments
 from hf_blockwise.training.blockwise_trainer import BlockwiseTrainer
 from hf_blockwise.training.distill import distill_texts

@@ -6,14 +6,14 @@ What it does:
 2. Targets: the base's own greedy outputs on the training sources (sequence-level distillation, decoded once
    with ``hf_blockwise.training.distill`` and cached as JSON lines; ``train_heads.py`` writes the same cache, pass it
    with ``--distilled-cache`` to skip the 6 minutes of decoding).
-3. Builds the drafter from the verifier (``NonAutoregressiveDrafter.from_verifier``: same architecture,
+3. Builds the drafter from the verifier (``NARDrafterModel.from_verifier``: same architecture,
    ``--decoder-layers`` decoder layers, weights copied from the verifier, the tokenizer's unknown token as
    [MASK]) and trains it with ``NARDrafterTrainer``: random prefix, ``block_size - 1`` masked targets.
    Re-running resumes from the newest checkpoint in ``--out``.
 4. Reports, on the first 300 sentences of test_2016_flickr at batch 1: mean accepted block, speed against
    greedy and identical outputs (exact acceptance).
 5. With ``--ship DIR``: writes the drafter in fp16, relative to the verifier (only the weights training changed;
-   ``NonAutoregressiveDrafter.from_pretrained(DIR)`` rebuilds the rest from the verifier it names).
+   ``NARDrafterModel.from_pretrained(DIR)`` rebuilds the rest from the verifier it names).
 
 Exact command of the shipped drafter (from the repository root)::
 
@@ -40,10 +40,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, TrainerCallback
 
-from hf_blockwise.drafters.nar import NonAutoregressiveDrafter
+from hf_blockwise.evaluation import compare_to_greedy
+from hf_blockwise.modeling.nar_model import NARDrafterModel
 from hf_blockwise.serialization import atomic_write_text
 from hf_blockwise.tools.arguments import parse_dataclass_args
-from hf_blockwise.tools.evaluation import compare_to_greedy
 from hf_blockwise.training.distill import distill_texts
 from hf_blockwise.training.nar_config import NARDrafterTrainingArguments
 from hf_blockwise.training.nar_trainer import NARDrafterTrainer
@@ -124,7 +124,7 @@ def train(args: TrainNARDrafterArguments):
     train_dataset = encode_dataset(tokenizer, sources, targets)
 
     mask_token_id = tokenizer.mask_token_id if tokenizer.mask_token_id is not None else tokenizer.unk_token_id
-    drafter = NonAutoregressiveDrafter.from_verifier(
+    drafter = NARDrafterModel.from_verifier(
         verifier, mask_token_id=mask_token_id, block_size=args.block_size, decoder_layers=args.decoder_layers,
         encoder_layers=args.encoder_layers, verifier_name_or_path=args.base,
     )  # fmt: skip
@@ -154,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     drafter, verifier, tokenizer, data, train_seconds = train(args)
     test_sources, test_references = (split[: args.eval_sentences] for split in data["test"])
     comparison = compare_to_greedy(
-        verifier, tokenizer, test_sources, test_references, assistant=drafter, batch_size=1,
+        verifier, tokenizer, test_sources, test_references, assistant=drafter.drafter(verifier=verifier), batch_size=1,
         max_new_tokens=args.max_new_tokens,
     )  # fmt: skip
     results = {
@@ -192,7 +192,7 @@ Research artefact trained here by `training/train_nar_drafter.py` (exact command
   weights initialised from the verifier; given the source and the verified prefix followed by [MASK]
   placeholders it drafts the next {args.block_size - 1} tokens in one pass (Ge et al. 2022, §3.2). Saved relative
   to the verifier (`verifier_name_or_path` in `nar_drafter_config.json`): only the weights training changed are
-  stored, in fp16; `NonAutoregressiveDrafter.from_pretrained` rebuilds the rest from the verifier.
+  stored, in fp16; `NARDrafterModel.from_pretrained` rebuilds the rest from the verifier.
 - **Data**: the verifier's greedy outputs on the Multi30k training sources (sequence-level distillation);
   Multi30k / Flickr30k terms, research use only, not for commercial use.
 - **Training**: {args.epochs:g} epochs, {args.prefixes_per_example} random prefixes per sentence per step, encoder

@@ -65,9 +65,10 @@ from transformers.models.whisper.tokenization_whisper import LANGUAGES
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_blockwise.boundary import save_shipped_model
+from hf_blockwise.evaluation.scores import word_error_rate
 from hf_blockwise.serialization import atomic_write_text
 from hf_blockwise.tools.arguments import parse_dataclass_args
-from hf_blockwise.tools.audio import word_error_rate, write_wav
+from hf_blockwise.tools.audio import write_wav
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import CORPORA, read_texts

@@ -9,9 +9,10 @@ range below (`pyproject.toml`): when transformers changes, this is the one packa
 Modules, each importing only those listed before it (and none of them this package's `__init__`):
 
 - `models`: where a transformers seq2seq model keeps what the loop and the heads need: `BaseModelWrapper` and
-  `unwrap_base`, decoder config, layer count, FFN width, MoE capacity, encoder width and input name, token
-  embeddings and the shared-vocabulary check, the output projection (captured input, selected columns, logit bias,
-  shortlist rows), and `decoder_forward`.
+  `unwrap_base` (and the checks of what wrappers and drafters are given: `check_wrap_arguments`,
+  `check_materialized`, `check_same_projection`), decoder config, layer count, FFN width, MoE capacity, encoder
+  width and input name, token embeddings and the shared-vocabulary check, the output projection (captured input,
+  selected columns, logit bias, shortlist rows), and `decoder_forward`.
 - `cache`: the croppable dynamic cache of the loop, the static caches of the compiled engine, and cropping and row
   selection for both.
 - `processors`: transformers' stopping criteria (`StopRules`) and logits processors, as a blockwise step uses them.
@@ -47,11 +48,14 @@ from hf_blockwise.boundary.generate_call import (
     BlockwiseGenerateOutput,
     GenerateCall,
     adapt_generate_call,
+    check_no_assistant_model,
     decoder_prompt_kwargs,
     encoder_hidden_states,
     forward_kwargs,
+    generate_call_argument,
     pad_token_tensor,
     select_forward_rows,
+    stop_string_kwargs,
     streamer_from_generate_call,
     validate_generation_config,
 )
@@ -63,21 +67,29 @@ from hf_blockwise.boundary.hub import (
     load_encoder_decoder,
     resolve_file,
     resolved_base_location,
+    same_fingerprint,
     save_shipped_model,
     warn_if_other_base,
+    weights_fingerprint,
 )
 from hf_blockwise.boundary.inputs import (
+    check_block_size_fits,
     check_decoder_length,
     check_generate_inputs,
+    check_input_features,
     decoder_position_limit,
     encoder_position_limit,
     position_limit,
+    warn_unmasked_padding,
 )
 from hf_blockwise.boundary.media import decoder_reads_frame_mask, encoder_output_mask, validate_segment_options
 from hf_blockwise.boundary.models import (
     BaseModelWrapper,
     capture_output_projection_input,
+    check_materialized,
+    check_same_projection,
     check_shared_vocabulary,
+    check_wrap_arguments,
     decoder_config,
     decoder_ffn_width,
     decoder_forward,
@@ -97,6 +109,8 @@ from hf_blockwise.boundary.models import (
 from hf_blockwise.boundary.probes import ProbeInputs, check_output_projection, probe_inputs
 from hf_blockwise.boundary.processors import (
     StopRules,
+    check_row_local_processors,
+    is_row_local,
     processor_acts_at,
     processor_ignores_prefix,
     split_stopping_criteria,
@@ -115,11 +129,18 @@ __all__ = [
     "adapter_base",
     "base_location",
     "capture_output_projection_input",
+    "check_block_size_fits",
     "check_decoder_length",
     "check_generate_inputs",
+    "check_input_features",
     "check_local_path",
+    "check_materialized",
+    "check_no_assistant_model",
     "check_output_projection",
+    "check_row_local_processors",
+    "check_same_projection",
     "check_shared_vocabulary",
+    "check_wrap_arguments",
     "crop_cache",
     "decoder_config",
     "decoder_ffn_width",
@@ -137,8 +158,10 @@ __all__ = [
     "encoder_position_limit",
     "expert_capacity_limit",
     "forward_kwargs",
+    "generate_call_argument",
     "has_file",
     "input_embeddings",
+    "is_row_local",
     "is_static_cache",
     "load_encoder_decoder",
     "loop_decoder_cache",
@@ -153,6 +176,7 @@ __all__ = [
     "project_columns",
     "resolve_file",
     "resolved_base_location",
+    "same_fingerprint",
     "save_shipped_model",
     "select_cache_rows",
     "select_forward_rows",
@@ -161,10 +185,13 @@ __all__ = [
     "static_cache_capacity",
     "static_cache_mask",
     "static_decoder_cache",
+    "stop_string_kwargs",
     "streamer_from_generate_call",
     "unpin_static_cache",
     "unwrap_base",
     "validate_generation_config",
     "validate_segment_options",
     "warn_if_other_base",
+    "warn_unmasked_padding",
+    "weights_fingerprint",
 ]

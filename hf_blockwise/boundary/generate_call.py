@@ -4,8 +4,9 @@
 per-step outputs; [`decoder_prompt_kwargs`]) and translates it into a [`GenerateCall`]: stopping rules, pad id, a
 croppable cache, the kwargs every decoder forward receives ([`forward_kwargs`]; [`encoder_hidden_states`] reads the
 encoder output among them, [`select_forward_rows`] keeps the rows still decoding), the source ids and
-encoder-output mask, and the streamer `generate` does not pass on ([`streamer_from_generate_call`]). The loop
-returns a [`BlockwiseGenerateOutput`].
+encoder-output mask, and the streamer `generate` does not pass on ([`streamer_from_generate_call`]; the same frame
+read refuses a dropped `assistant_model=`, [`check_no_assistant_model`]). [`stop_string_kwargs`] builds the
+stop-string criterion a wrapper's `tokenizer=` would otherwise lose. The loop returns a [`BlockwiseGenerateOutput`].
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ from torch import nn
 from transformers.cache_utils import EncoderDecoderCache
 from transformers.generation import GenerationConfig, GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
-from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateEncoderDecoderOutput
 from transformers.utils import ModelOutput
 
 from hf_blockwise.boundary.cache import loop_decoder_cache
-from hf_blockwise.boundary.inputs import check_decoder_length
+from hf_blockwise.boundary.inputs import check_decoder_length, warn_unmasked_padding
 from hf_blockwise.boundary.media import encoder_output_mask, validate_segment_options
 from hf_blockwise.boundary.models import encoder_input_name
 from hf_blockwise.boundary.processors import StopRules, split_stopping_criteria
@@ -140,6 +141,7 @@ def adapt_generate_call(
     """Validates the arguments of a `custom_generate` call and translates them into a [`GenerateCall`]."""
     if synced_gpus:
         raise ValueError("synced_gpus=True is not supported by blockwise decoding")
+    check_no_assistant_model()
     validate_generation_config(generation_config)
     model_kwargs = decoder_prompt_kwargs(model_kwargs)
     rules = split_stopping_criteria(stopping_criteria, generation_config)
@@ -154,6 +156,11 @@ def adapt_generate_call(
         raise ValueError("streamer= supports batch size 1 only, like transformers' TextStreamer")
     pad = pad_token_tensor(generation_config)
     pad_token_id = None if pad is None else int(pad)
+    text_encoder = encoder_input_name(model) == "input_ids"
+    if text_encoder and inputs_tensor is not None:
+        warn_unmasked_padding(
+            inputs_tensor, model_kwargs.get("attention_mask"), pad_token_id, generation_config._eos_token_tensor
+        )
     return GenerateCall(
         decoder_input_ids=input_ids,
         stop_rules=rules,
@@ -162,7 +169,7 @@ def adapt_generate_call(
         cache=loop_decoder_cache(model_kwargs),
         forward_kwargs=forward_kwargs(model_kwargs),
         # a speech or vision encoder's inputs are not token ids that a drafter could copy
-        encoder_input_ids=inputs_tensor if encoder_input_name(model) == "input_ids" else None,
+        encoder_input_ids=inputs_tensor if text_encoder else None,
         encoder_attention_mask=encoder_output_mask(
             model, encoder_hidden_states(model_kwargs), model_kwargs.get("attention_mask")
         ),
@@ -218,16 +225,60 @@ def streamer_from_generate_call() -> BaseStreamer | None:
     to `_sample`'s; `streamer` is not one of them, so it is dropped after the prompt was already streamed.
     Without this, a `TextIteratorStreamer` consumer would wait forever for tokens and the end signal.
     """
+    return generate_call_argument("streamer")
+
+
+def generate_call_argument(name: str) -> Any:
+    """The argument `name` of the `GenerationMixin.generate` call that is running this loop (`None` when there is
+    none), read from its frame: for the arguments transformers 5.23 does not hand a callable `custom_generate`."""
     frame = inspect.currentframe()
     try:
         caller = frame.f_back if frame is not None else None
         while caller is not None:
             if caller.f_code is GenerationMixin.generate.__wrapped__.__code__:
-                return caller.f_locals.get("streamer")
+                return caller.f_locals.get(name)
             caller = caller.f_back
         return None
     finally:
         del frame
+
+
+def check_no_assistant_model() -> None:
+    """A `ValueError` when `assistant_model=` was passed to the `generate` call running this loop: transformers
+    selects its own assisted generation from it, then calls the `custom_generate` loop without it, so it would be
+    dropped silently and the output would be plain greedy."""
+    if generate_call_argument("assistant_model") is not None:
+        raise ValueError(
+            "assistant_model= (transformers' assisted generation with a smaller model) is not used by blockwise "
+            "decoding. Pass assistant= an hf_blockwise Drafter (e.g. model.drafter(), or the default: the model's "
+            "own heads), or call the base model's own generate (model.base_model.generate(..., "
+            "assistant_model=...)) for transformers' assisted generation."
+        )
+
+
+def stop_string_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The `generate` kwargs of a wrapper's call with `tokenizer=` turned into a `StopStringCriteria`.
+
+    transformers 5.23 drops `tokenizer` for a callable `custom_generate` before it builds the stop-string
+    criterion, and then refuses `stop_strings` for want of a tokenizer. The criterion is built here as `generate`
+    would build it and passed with the caller's `stopping_criteria`, and `stop_strings` is cleared.
+
+    Args:
+        model: the transformers model whose `generate` is about to be called.
+        kwargs: the keyword arguments of that call.
+    """
+    if kwargs.get("tokenizer") is None:
+        return kwargs
+    kwargs = dict(kwargs)
+    tokenizer = kwargs.pop("tokenizer")
+    config = kwargs.get("generation_config") or model.generation_config
+    stop_strings = kwargs.pop("stop_strings", None) or getattr(config, "stop_strings", None)
+    if stop_strings is None:
+        return kwargs
+    criterion = StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)
+    kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), criterion])
+    kwargs["stop_strings"] = None
+    return kwargs
 
 
 @dataclass

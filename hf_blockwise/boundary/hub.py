@@ -2,7 +2,8 @@
 
 A checkpoint's files ([`has_file`], [`resolve_file`]) and a clear error for local-looking paths that do not exist
 ([`check_local_path`]); where an adapter's (heads', drafter's) recorded base is, and the base it attaches to
-([`base_location`], [`resolved_base_location`], [`warn_if_other_base`], [`adapter_base`]); the auto class that
+([`base_location`], [`resolved_base_location`], [`warn_if_other_base`] by [`weights_fingerprint`], [`adapter_base`]);
+the auto class that
 loads an encoder-decoder checkpoint ([`load_encoder_decoder`]); and the format of the models shipped in the
 repository ([`save_shipped_model`]).
 """
@@ -96,11 +97,57 @@ def resolved_base_location(adapter_name_or_path: str | os.PathLike, base_name_or
     return os.path.abspath(location) if os.path.isdir(location) else location
 
 
-def warn_if_other_base(recorded: str | None, base_model: nn.Module, what: str) -> None:
-    """Warns when an adapter trained for one named base is attached to a model loaded from another: same shapes
-    are not the same model, and its drafts would rarely be accepted (decoding stays exact). Local directories are
-    compared by their real paths, hub names as written."""
+# How many weights of the output projection a fingerprint samples, and how close two samples must be to be taken
+# for the same base: a base saved in fp16 or bf16 and loaded back (the shipped models are) rounds each weight by
+# at most 2 ** -8 of its size, while two different models' weights differ by their own size.
+_FINGERPRINT_SIZE = 16
+_FINGERPRINT_RTOL = 1e-2
+
+
+def weights_fingerprint(model: nn.Module) -> list[float] | None:
+    """A few weights of a base's output projection, at fixed evenly spaced positions: what an adapter records of the
+    base it was made for, so that attaching it to another base with the same shapes can be noticed.
+
+    Returns `None` where the weights cannot be read as numbers (no output projection, a quantized or meta weight).
+    """
+    projection = unwrap_base(model).get_output_embeddings()
+    weight = getattr(projection, "weight", None)
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.is_meta:
+        return None
+    flat = weight.detach().reshape(-1)
+    index = torch.linspace(0, flat.numel() - 1, _FINGERPRINT_SIZE, device=flat.device).long()
+    return [float(f"{value:.6g}") for value in flat[index].float().tolist()]
+
+
+def same_fingerprint(recorded: list[float], actual: list[float]) -> bool:
+    """Whether two [`weights_fingerprint`]s are of the same weights, up to fp16/bf16 rounding."""
+    return len(recorded) == len(actual) and all(
+        abs(a - b) <= _FINGERPRINT_RTOL * max(abs(a), abs(b)) + 1e-8 for a, b in zip(recorded, actual, strict=True)
+    )
+
+
+def warn_if_other_base(
+    recorded: str | None, base_model: nn.Module, what: str, fingerprint: list[float] | None = None
+) -> None:
+    """Warns when an adapter made for one base is attached to another: same shapes are not the same model, and its
+    drafts would rarely be accepted (decoding stays exact).
+
+    With the `fingerprint` the adapter's config recorded ([`weights_fingerprint`]), the weights are compared, so a
+    model built in memory under the same name is noticed and the same weights saved elsewhere are not. Configs
+    written before fingerprints existed are compared by name only (local directories by their real paths, hub
+    names as written), and the warning says so; so are bases whose weights cannot be fingerprinted (quantized).
+    """
+    actual_weights = None if fingerprint is None else weights_fingerprint(base_model)
     actual = getattr(base_model, "name_or_path", "") or ""
+    if fingerprint is not None and actual_weights is not None:
+        if not same_fingerprint(fingerprint, actual_weights):
+            warnings.warn(
+                f"These {what} were trained for {'base ' + repr(recorded) if recorded else 'another base'} and are "
+                f"attached to {actual or type(base_model).__name__!r}, whose weights differ from that base's: "
+                "decoding stays exact, but their drafts will rarely be accepted unless the two are the same model",
+                stacklevel=4,
+            )
+        return
     if not recorded or not actual:
         return
     if os.path.isdir(recorded) and os.path.isdir(actual):
@@ -110,7 +157,8 @@ def warn_if_other_base(recorded: str | None, base_model: nn.Module, what: str) -
     if not same:
         warnings.warn(
             f"These {what} were trained for base {recorded!r} and are attached to {actual!r}: decoding stays exact, "
-            "but their drafts will rarely be accepted unless the two are the same model",
+            "but their drafts will rarely be accepted unless the two are the same model (compared by name only: "
+            "this adapter config records no base_fingerprint; save it again to record one)",
             stacklevel=4,
         )
 
@@ -121,16 +169,17 @@ def adapter_base(
     base_model: nn.Module | None,
     what: str,
     base_model_kwargs: dict[str, Any],
+    fingerprint: list[float] | None = None,
 ) -> tuple[str | None, nn.Module]:
     """The base an adapter (heads, feature drafter) attaches to, and where its config says that base is.
 
-    With `base_model` given, that one, with a warning when the adapter was trained for another named base
-    ([`warn_if_other_base`]); else the recorded base ([`resolved_base_location`]) loaded with
-    [`load_encoder_decoder`]`(location, **base_model_kwargs)`.
+    With `base_model` given, that one, with a warning when the adapter was made for another base
+    ([`warn_if_other_base`], by `fingerprint` when the config recorded one); else the recorded base
+    ([`resolved_base_location`]) loaded with [`load_encoder_decoder`]`(location, **base_model_kwargs)`.
     """
     location = resolved_base_location(adapter_name_or_path, recorded)
     if base_model is not None:
-        warn_if_other_base(location, unwrap_base(base_model), what)
+        warn_if_other_base(location, unwrap_base(base_model), what, fingerprint)
         return location, base_model
     if location is None:
         raise ValueError(
@@ -163,6 +212,9 @@ def save_shipped_model(model: PreTrainedModel, directory: str | os.PathLike) -> 
     with open(config_path, encoding="utf-8") as handle:
         config = json.load(handle)
     config["dtype"] = "float32"
+    # a model saved after training says use_cache false; generate then still caches, but a user's plain forward
+    # (and anything that reads the config) would not
+    config["use_cache"] = True
     atomic_write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
     generation_path = os.path.join(directory, "generation_config.json")
     if os.path.isfile(generation_path):

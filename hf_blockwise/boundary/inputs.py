@@ -2,18 +2,20 @@
 
 Position limits read from the model's position tables ([`position_limit`], [`encoder_position_limit`],
 [`decoder_position_limit`]), checked against the inputs of the wrappers' `generate` ([`check_generate_inputs`],
-which also refuses an empty batch), against the loop's `max_length` ([`check_decoder_length`]) and by the corpus
-job against each source.
+which also refuses an empty batch and speech features of the wrong width), against the loop's `max_length`
+([`check_decoder_length`]), against a block size ([`check_block_size_fits`]) and by the corpus job against each source;
+and the warning for padded input ids without an attention mask ([`warn_unmasked_padding`]).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
-from hf_blockwise.boundary.models import model_name, unwrap_base
+from hf_blockwise.boundary.models import check_materialized, model_name, unwrap_base
 
 
 def position_limit(stack: nn.Module | None) -> int | None:
@@ -47,12 +49,16 @@ def _stack(model: nn.Module, getter: str) -> nn.Module | None:
 
 def check_generate_inputs(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
     """Clear errors for inputs `generate` would otherwise fail on deep inside the model: an empty batch (a reshape
-    error in the encoder) and a source longer than the encoder's positions (an `IndexError`).
+    error in the encoder), a source longer than the encoder's positions (an `IndexError`), speech features with
+    another number of mel bins than the model's ([`check_input_features`], a convolution's channel error) and
+    weights never loaded ([`check_materialized`]).
 
     Args:
         model: the transformers seq2seq model whose `generate` is about to be called.
         args, kwargs: the positional and keyword arguments of that call.
     """
+    check_materialized(model)
+    check_input_features(model, args[0] if args else kwargs.get("input_features"))
     inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs", kwargs.get("inputs_embeds")))
     if not isinstance(inputs, torch.Tensor):
         return
@@ -77,4 +83,60 @@ def check_decoder_length(model: nn.Module, max_length: int, prompt_length: int) 
             f"max_length {max_length} (decoder prompt {prompt_length} + {max_length - prompt_length} new tokens) "
             f"needs {max_length - 1} decoder positions, but the decoder of {model_name(model)} has {limit}; pass "
             f"max_new_tokens={limit + 1 - prompt_length} or less"
+        )
+
+
+def check_input_features(model: nn.Module, features: Any) -> None:
+    """A `ValueError` naming the expected number when log-mel `input_features` of shape `(batch_size, num_mel_bins,
+    frames)` (Whisper's layout) have another number of mel bins than the model's `config.num_mel_bins`."""
+    expected = getattr(unwrap_base(model).config, "num_mel_bins", None)
+    if not isinstance(features, torch.Tensor) or not isinstance(expected, int) or features.dim() != 3:
+        return
+    if features.shape[1] != expected:
+        raise ValueError(
+            f"input_features has {features.shape[1]} mel bins (shape {tuple(features.shape)}, read as (batch, mel "
+            f"bins, frames)), but {model_name(model)} takes num_mel_bins={expected}: compute them with this model's "
+            f"feature extractor (feature_size={expected}), e.g. AutoProcessor.from_pretrained(...)(audio, "
+            "sampling_rate=..., return_tensors='pt')"
+        )
+
+
+def check_block_size_fits(model: nn.Module, block_size: int) -> None:
+    """A `ValueError` naming the limit when one step's `block_size` tokens could not all be fed to the decoder: a
+    verification pass feeds up to `block_size` positions, and a decoder with a position table has only so many."""
+    limit = decoder_position_limit(unwrap_base(model))
+    if limit is not None and block_size > limit:
+        raise ValueError(
+            f"block_size={block_size} exceeds the {limit} decoder positions of {model_name(model)}: one step feeds up "
+            f"to block_size tokens; use block_size <= {limit}"
+        )
+
+
+def warn_unmasked_padding(input_ids: torch.Tensor, attention_mask: Any, pad_token_id: int | None, eos: Any) -> None:
+    """Warns, once per call, when encoder `input_ids` look padded and no `attention_mask` was given: the encoder
+    then attends to the padding, and the output is what greedy search gives for such input, rarely what was meant.
+
+    A row looks padded when it starts with the pad id (left padding) or ends with it (right padding); where the pad
+    id is also an EOS id (a row may end with it), only when it ends with two. transformers warns alike for
+    decoder-only models.
+
+    Args:
+        input_ids (`torch.LongTensor` of shape `(batch_size, source_length)`).
+        eos (`torch.Tensor`, *optional*): the EOS ids of the call.
+    """
+    if attention_mask is not None or pad_token_id is None or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        return
+    is_pad = input_ids == pad_token_id  # (B, S)
+    pad_is_eos = eos is not None and bool(torch.isin(torch.as_tensor(pad_token_id), eos.cpu()).item())
+    trailing = is_pad[:, -2:].all(dim=1) if pad_is_eos and input_ids.shape[1] > 1 else is_pad[:, -1]
+    if pad_is_eos and input_ids.shape[1] == 1:
+        trailing = torch.zeros_like(trailing)
+    if bool((is_pad[:, 0] | trailing).any()):
+        warnings.warn(
+            f"The input_ids hold the pad token ({pad_token_id}) at padded positions but no attention_mask was "
+            "given, so the encoder attends to the padding and the output is not what the unpadded sources give. "
+            "Pass the attention_mask the tokenizer returns: generate(**tokenizer(texts, padding=True, "
+            "return_tensors='pt'))",
+            UserWarning,
+            stacklevel=2,
         )

@@ -9,6 +9,7 @@ and one cached decoder forward as `generate` runs it ([`decoder_forward`]).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -56,6 +57,63 @@ def unwrap_base(model: nn.Module) -> nn.Module:
 def model_name(model: nn.Module) -> str:
     """The checkpoint a model was loaded from, or its model type when built from a config."""
     return getattr(model, "name_or_path", "") or f"model_type={getattr(model.config, 'model_type', '?')!r}"
+
+
+def check_materialized(model: nn.Module) -> None:
+    """A `ValueError` for a model whose weights are on the meta device (built without loading them): every read of
+    them would otherwise fail deep inside a probe or a forward with "cannot be called on meta tensors"."""
+    name = next((name for name, parameter in model.named_parameters() if parameter.is_meta), None)
+    if name is not None:
+        raise ValueError(
+            f"{model_name(model)} has weights on the meta device ({name!r} among them): it was built without "
+            "loading them (under torch.device('meta'), init_empty_weights or device_map='meta'). Load it with "
+            "from_pretrained, or call model.to_empty(device=...) and load its state dict, before wrapping it or "
+            "calling generate."
+        )
+
+
+def check_wrap_arguments(wrapper: str, base_model: Any, config: Any, config_class: type) -> None:
+    """`TypeError`s for what a wrapper's `__init__(base_model, config)` is commonly given instead (a path, a
+    dict), naming what to call, and a `ValueError` for a base whose weights were never loaded.
+
+    Args:
+        wrapper (`str`): the wrapper's class name, e.g. `"BlockwiseHeadsModel"`.
+        config_class (`type`): the config dataclass the wrapper takes, e.g. `BlockwiseConfig`.
+    """
+    if isinstance(base_model, (str, os.PathLike)):
+        raise TypeError(
+            f"{wrapper}(base_model, config) wraps a loaded transformers model, got the path "
+            f"{os.fspath(base_model)!r}: to load a saved {wrapper} use {wrapper}.from_pretrained(path); to wrap a "
+            "base checkpoint load it first, e.g. AutoModelForSeq2SeqLM.from_pretrained(path)"
+        )
+    if not isinstance(base_model, nn.Module):
+        raise TypeError(
+            f"{wrapper} wraps a transformers seq2seq model (e.g. AutoModelForSeq2SeqLM.from_pretrained(...)), got "
+            f"{type(base_model).__name__}"
+        )
+    if isinstance(config, dict):
+        raise TypeError(f"config= takes a {config_class.__name__}, got a dict: pass {config_class.__name__}(**config)")
+    if config is not None and not isinstance(config, config_class):
+        raise TypeError(f"config= takes a {config_class.__name__} or None, got {type(config).__name__}")
+    check_materialized(base_model)
+
+
+def check_same_projection(drafter_base: nn.Module, model: nn.Module, drafter: str) -> None:
+    """A `ValueError` naming both shapes when a drafter made for `drafter_base` is used on `model` and their output
+    projections differ in shape (hidden size or vocabulary): its drafts would fail inside a matrix product.
+
+    Args:
+        drafter (`str`): what the drafter is, for the message (e.g. `"HeadsDrafter"`).
+    """
+    made_for = unwrap_base(drafter_base).get_output_embeddings().weight.shape
+    actual = unwrap_base(model).get_output_embeddings().weight.shape
+    if made_for != actual:
+        raise ValueError(
+            f"This {drafter} was made for a base with vocab_size={made_for[0]}, hidden_size={made_for[1]} "
+            f"({model_name(unwrap_base(drafter_base))}), but generate runs on {model_name(unwrap_base(model))} with "
+            f"vocab_size={actual[0]}, hidden_size={actual[1]}: pass a drafter made for this model (e.g. one loaded "
+            "with from_pretrained(path, base_model=model))"
+        )
 
 
 def encoder_decoder_only(model: nn.Module) -> None:

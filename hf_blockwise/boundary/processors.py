@@ -2,12 +2,14 @@
 
 The stopping criteria of a `generate` call, split into what a blockwise step checks in bulk ([`StopRules`]:
 maximum length, EOS ids) and the rest ([`split_stopping_criteria`]); and, for transformers' own logits
-processors, whether one depends on the prefix at all ([`processor_ignores_prefix`]) and at which prefix lengths it
-may change the scores ([`processor_acts_at`]).
+processors, whether one depends on the prefix at all ([`processor_ignores_prefix`]), at which prefix lengths it
+may change the scores ([`processor_acts_at`]), and whether it is known to read its own row only
+([`check_row_local_processors`]).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +47,8 @@ class StopRules:
 
 
 def split_stopping_criteria(stopping_criteria: StoppingCriteriaList, generation_config: GenerationConfig) -> StopRules:
+    """The criteria as [`StopRules`]. A fractional length (`max_new_tokens=2.5`, which `generate` accepts) is
+    rounded up: greedy search stops once a row's length is `>=` it, i.e. at its ceiling."""
     max_length = generation_config.max_length
     eos_token_ids = None
     others: list[StoppingCriteria] = []
@@ -56,7 +60,7 @@ def split_stopping_criteria(stopping_criteria: StoppingCriteriaList, generation_
             eos_token_ids = ids if eos_token_ids is None else torch.cat([eos_token_ids, ids.to(eos_token_ids)])
         else:
             others.append(criterion)
-    return StopRules(max_length=max_length, eos_token_ids=eos_token_ids, others=others)
+    return StopRules(max_length=math.ceil(max_length), eos_token_ids=eos_token_ids, others=others)
 
 
 def processor_ignores_prefix(processor: Any) -> bool:
@@ -87,3 +91,29 @@ def processor_acts_at(processor: Any, length: int) -> bool:
     if isinstance(processor, SuppressTokensAtBeginLogitsProcessor):
         return length == processor.begin_index
     return True
+
+
+def is_row_local(processor: Any) -> bool:
+    """Whether a logits processor is known to compute each row's scores from that row's data only: transformers'
+    own processors (defined in a `transformers` module), or one that declares `row_local = True`."""
+    return type(processor).__module__.split(".")[0] == "transformers" or getattr(processor, "row_local", False) is True
+
+
+def check_row_local_processors(processors: Any) -> None:
+    """A `ValueError` naming the first logits processor not known to be row-local ([`is_row_local`]).
+
+    A blockwise step scores several positions per row in one pass, and rows advance at different speeds, so when a
+    processor is called for row i at a prefix length, other rows' prefixes of that length may hold drafts that are
+    rejected later. A processor that reads other rows to decide row i would see them, and the output would differ
+    from greedy search's.
+    """
+    for processor in processors:
+        if not is_row_local(processor):
+            name = type(processor).__name__
+            raise ValueError(
+                f"The logits processor {name} is not known to be row-local: blockwise decoding calls processors on "
+                "every row's prefix, where other rows may hold drafts not yet verified, so a processor that reads "
+                "other rows of the batch to score a row would not reproduce greedy search. If row i's scores depend "
+                f"only on row i's input_ids (and data kept for row i), declare it: set `row_local = True` on {name} "
+                "(class or instance); else use the base model's generate without hf_blockwise."
+            )

@@ -10,6 +10,13 @@ anywhere (a reference continuation given to the drafter's constructor, a dict ke
 through it. What one `generate` call needs throughout (a drafter model's encoder output) is best returned by
 [`Drafter.prepare`] once: the loop hands it back in every request, row-selected by [`Drafter.select_rows`] as
 rows leave.
+
+One rule for that per-call state, as for the loop's own decoder cache: it belongs to the call and is mutable.
+[`Drafter.get_candidates`] and [`Drafter.observe`] update it in place (a feature drafter's key/value cache grows,
+a NAR drafter's cache is cropped); [`Drafter.select_rows`] narrows it to the rows that keep decoding and returns
+what the loop continues with: a mutable state narrowed in place and returned itself, a value (a tensor, a tuple
+of tensors, a frozen projection) as a new value. The state handed to `select_rows` is not used again, and nothing
+of it is kept on the drafter (`self`) between calls.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from hf_blockwise.engine import CompileOptions
 
@@ -115,7 +123,8 @@ class Drafter(ABC):
 
     def prepare(self, encoder_input_ids: torch.Tensor | None, encoder_attention_mask: torch.Tensor | None) -> Any:
         """Called once per `generate` call, before the first step; the result comes back as
-        `DraftRequest.drafter_state` at every step. The default needs nothing and returns `None`.
+        `DraftRequest.drafter_state` at every step, updated in place by the drafter (see the module's rule). The
+        default needs nothing and returns `None`.
 
         Args:
             encoder_input_ids (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*).
@@ -126,7 +135,9 @@ class Drafter(ABC):
     def select_rows(self, drafter_state: Any, rows: torch.Tensor) -> Any:
         """The per-call state for `rows` of the batch only, called when finished rows leave the batch.
 
-        A drafter whose [`prepare`] returns per-row data must override this; the default handles `None`.
+        A mutable state is narrowed in place and returned itself; a value is returned as a new value. Either way
+        the loop continues with the result and never uses `drafter_state` again. A drafter whose [`prepare`]
+        returns per-row data must override this; the default handles `None`.
 
         Args:
             rows (`torch.LongTensor` of shape `(num_rows,)`): indices of the rows that keep decoding.
@@ -143,7 +154,8 @@ class Drafter(ABC):
         """Proposes up to `block_size - 1` tokens that continue each row.
 
         `tokens` may be narrower than `block_size - 1`: the verification pass is only as wide as the widest
-        row needs, so a drafter that knows most rows have few drafts should return only that many columns.
+        row needs, so a drafter that knows most rows have few drafts should return only that many columns. What the
+        drafter keeps for later steps it writes into `request.drafter_state`, in place.
         """
 
     def observe(self, request: DraftRequest) -> None:  # noqa: B027
@@ -157,6 +169,11 @@ class Drafter(ABC):
 
         A hook for adaptive drafters; the drafters of this package are stateless and ignore it.
         """
+
+    def check_base(self, model: nn.Module) -> None:  # noqa: B027
+        """Called once per `generate` call with the model it runs on; raises a `ValueError` naming both shapes when
+        this drafter was made for a base of other shapes (its hidden size or vocabulary). The default accepts any
+        model."""
 
 
 class NoDrafter(Drafter):

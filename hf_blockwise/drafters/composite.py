@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 import torch
+from torch import nn
 
 from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts
 
@@ -53,8 +54,13 @@ class CompositeDrafter(Drafter):
         )
 
     def select_rows(self, drafter_state: Any, rows: torch.Tensor) -> Any:
+        """The pair of its drafters' states, each narrowed by its own drafter (the rule of `drafters/base.py`)."""
         copy_state, model_state = drafter_state
         return self.copy_drafter.select_rows(copy_state, rows), self.model_drafter.select_rows(model_state, rows)
+
+    def check_base(self, model: nn.Module) -> None:
+        self.copy_drafter.check_base(model)
+        self.model_drafter.check_base(model)
 
     def get_candidates(self, request: DraftRequest) -> Drafts:
         copy_state, model_state = request.drafter_state

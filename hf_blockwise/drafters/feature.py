@@ -24,7 +24,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hf_blockwise.boundary import decoder_input_embeddings, output_projection_logits, shortlist_projection
+from hf_blockwise.boundary import (
+    check_same_projection,
+    decoder_input_embeddings,
+    output_projection_logits,
+    shortlist_projection,
+)
 from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts, VerifiedStates
 from hf_blockwise.drafters.heads import ShortlistProjection
 from hf_blockwise.engine import CompiledModule, compiled_block
@@ -69,8 +74,8 @@ class AttentionMemory:
 
 @dataclass
 class FeatureDraftCache:
-    """The drafter's per-call state: its key/value cache and the encoder memory, grown and row-selected in place
-    of a stateful drafter (the decoder's own cache is handled the same way).
+    """The drafter's per-call state: its key/value cache and the encoder memory, updated in place by each step and
+    narrowed in place as rows leave (the rule of `drafters/base.py`; the decoder's own cache is handled the same way).
 
     Attributes:
         keys, values (`torch.Tensor` of shape `(num_rows, num_heads, capacity, head_size)`, *optional*): entries
@@ -137,33 +142,30 @@ class FeatureDrafter(Drafter):
         return FeatureDraftCache(projection=projection)
 
     def select_rows(self, drafter_state: FeatureDraftCache, rows: torch.Tensor) -> FeatureDraftCache:
+        """Narrows the per-call cache to `rows` in place and returns it (the rule of `drafters/base.py`)."""
+
         def pick(tensor: torch.Tensor | None) -> torch.Tensor | None:
             return None if tensor is None else tensor.index_select(0, rows)
 
-        encoder = drafter_state.encoder
+        cache = drafter_state
+        cache.keys, cache.values, cache.lengths = pick(cache.keys), pick(cache.values), pick(cache.lengths)
+        encoder = cache.encoder
         if encoder is not None:
-            encoder = AttentionMemory(pick(encoder.keys), pick(encoder.values), pick(encoder.mask))
-        return FeatureDraftCache(
-            keys=pick(drafter_state.keys),
-            values=pick(drafter_state.values),
-            lengths=pick(drafter_state.lengths),
-            encoder=encoder,
-            encoder_ready=drafter_state.encoder_ready,
-            filled=drafter_state.filled,
-            projection=drafter_state.projection,
-            block=drafter_state.block,
-            block_ready=drafter_state.block_ready,
-            backlog=[
-                VerifiedStates(entry.states.index_select(0, rows), entry.start, entry.num_valid.index_select(0, rows))
-                for entry in drafter_state.backlog
-            ],
-        )
+            cache.encoder = AttentionMemory(pick(encoder.keys), pick(encoder.values), pick(encoder.mask))
+        cache.backlog = [
+            VerifiedStates(entry.states.index_select(0, rows), entry.start, entry.num_valid.index_select(0, rows))
+            for entry in cache.backlog
+        ]
+        return cache
 
     def observe(self, request: DraftRequest) -> None:
         """Keeps the verification's states for later: taking them in costs a layer pass, which a step whose drafts
         come from elsewhere does not need; the next [`get_candidates`] takes in every kept one in a single pass."""
         if request.verified_states is not None:
             request.drafter_state.backlog.append(request.verified_states)
+
+    def check_base(self, model: nn.Module) -> None:
+        check_same_projection(self.model.base_model, model, "FeatureDrafter")
 
     def get_candidates(self, request: DraftRequest) -> Drafts:
         batch_size, device = request.lengths.shape[0], request.lengths.device

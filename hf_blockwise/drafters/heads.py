@@ -8,7 +8,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from hf_blockwise.boundary import output_projection_logits, shortlist_projection
+from hf_blockwise.boundary import check_same_projection, output_projection_logits, shortlist_projection
 from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts
 
 
@@ -85,7 +85,10 @@ class HeadsDrafter(Drafter):
         return ShortlistProjection(token_ids=shortlist, weight=weight, bias=bias)
 
     def select_rows(self, drafter_state: Any, rows: torch.Tensor) -> Any:
-        return drafter_state  # nothing per row
+        return drafter_state  # a frozen projection, nothing per row: the same value (`drafters/base.py`)
+
+    def check_base(self, model: nn.Module) -> None:
+        check_same_projection(self.model.base_model, model, "HeadsDrafter")
 
     def get_candidates(self, request: DraftRequest) -> Drafts:
         batch_size = request.lengths.shape[0]

@@ -186,6 +186,7 @@ class InputCopyDrafter(Drafter):
         return sentinel_source(encoder_input_ids, encoder_attention_mask)
 
     def select_rows(self, drafter_state: Any, rows: torch.Tensor) -> Any:
+        """The source and its lengths for `rows`, as new tensors (values: the rule of `drafters/base.py`)."""
         source, source_lengths = drafter_state
         return source.index_select(0, rows), source_lengths.index_select(0, rows)
 

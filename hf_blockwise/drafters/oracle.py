@@ -41,7 +41,7 @@ class ReferenceDrafter(Drafter):
         return self.reference.to(encoder_input_ids.device if encoder_input_ids is not None else self.reference.device)
 
     def select_rows(self, drafter_state: Any, rows: torch.Tensor) -> Any:
-        return drafter_state.index_select(0, rows)
+        return drafter_state.index_select(0, rows)  # a tensor: narrowed as a new value (`drafters/base.py`)
 
     def get_candidates(self, request: DraftRequest) -> Drafts:
         reference = request.drafter_state  # (b, R)

@@ -177,3 +177,20 @@ class MinimumBlockAcceptance:
     def __call__(self, scores: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
         forced = torch.arange(drafts.shape[-1], device=drafts.device) < self.min_block - 1  # (D,)
         return self.rule(scores, drafts) | forced
+
+
+def check_rule_fits(rule: AcceptanceRule, block_size: int) -> None:
+    """A `ValueError` naming both numbers when `rule` forces more tokens per step than a step can produce.
+
+    Args:
+        block_size (`int`): the drafter's k, tokens per step with the base model's own (1 without a drafter).
+    """
+    if not isinstance(rule, MinimumBlockAcceptance):
+        return
+    if rule.min_block > block_size:
+        raise ValueError(
+            f"MinimumBlockAcceptance(min_block={rule.min_block}) forces {rule.min_block} tokens per step, but the "
+            f"drafter's block_size is {block_size} (tokens per step, the base model's own included): use "
+            f"min_block <= {block_size}, or a drafter with block_size >= {rule.min_block}"
+        )
+    check_rule_fits(rule.rule, block_size)

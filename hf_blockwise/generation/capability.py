@@ -8,7 +8,10 @@ Blockwise decoding relies on three things every decoder in transformers is meant
 3. let the cache be cropped back to a shorter prefix and continue from there as if never extended.
 
 [`check_decoder`] probes these on the model itself, with a handful of tiny forward passes, and raises an
-[`UnsupportedModelError`] naming the model and the reason when one fails; plain `generate` still works.
+[`UnsupportedModelError`] naming the model and the reason when one fails; plain `generate` still works. A decoder
+that refuses a multi-token feed raises in its own modeling code (ProphetNet asserts a one-token feed); only such
+exceptions count as a refusal, and anything else (a bug in `boundary/` after a transformers upgrade, say)
+propagates with its traceback. Verdicts are kept per model object until [`clear_verdicts`].
 The same probe tells whether decoder positions count non-pad tokens (M2M100, NLLB): then a pad inside a
 multi-token feed shifts later positions, and the loop must end a row's feed after a pad.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from types import TracebackType
 
 import torch
 from torch import nn
@@ -24,6 +28,9 @@ from torch import nn
 from hf_blockwise import boundary as hf
 
 _PROBE_LENGTH = 6  # decoder tokens per probe: start token + 5
+# what a decoder's own code raises when it cannot take a multi-token feed with a cache: an assert (ProphetNet), an
+# explicit refusal, or a torch op refusing the shapes the model's code built; counted only when raised there
+_REFUSAL_TYPES = (AssertionError, NotImplementedError, ValueError, RuntimeError, IndexError)
 
 
 class UnsupportedModelError(ValueError):
@@ -42,25 +49,36 @@ class DecoderCapability:
     positions_count_non_pad: bool
 
 
-_CHECKED: weakref.WeakKeyDictionary[nn.Module, DecoderCapability | UnsupportedModelError] = weakref.WeakKeyDictionary()
+# the verdict of each probed model (weakly keyed: it goes with the model); [`clear_verdicts`] empties it
+_VERDICTS: weakref.WeakKeyDictionary[nn.Module, DecoderCapability | UnsupportedModelError] = weakref.WeakKeyDictionary()
 
 
 def check_decoder(model: nn.Module) -> DecoderCapability:
-    """Probes `model` (once; the verdict is cached per model object) and returns what it found.
+    """Probes `model` (once; the verdict is kept per model object until [`clear_verdicts`]) and returns what it
+    found. An exception of the probe that is not the model's own refusal propagates and is not kept.
 
     Raises:
         UnsupportedModelError: the model cannot verify several tokens in one cached pass exactly.
     """
-    verdict = _CHECKED.get(model)
+    verdict = _VERDICTS.get(model)
     if verdict is None:
         try:
             verdict = _probe(model)
         except UnsupportedModelError as error:
             verdict = error
-        _CHECKED[model] = verdict
+        _VERDICTS[model] = verdict
     if isinstance(verdict, UnsupportedModelError):
         raise verdict
     return verdict
+
+
+def clear_verdicts(model: nn.Module | None = None) -> None:
+    """Forgets the verdict kept for `model` (every model's with `None`): the next [`check_decoder`] probes again,
+    e.g. after changing the model's config or upgrading transformers in a running process."""
+    if model is None:
+        _VERDICTS.clear()
+    else:
+        _VERDICTS.pop(model, None)
 
 
 def check_verification_width(model: nn.Module, block_size: int) -> None:
@@ -102,15 +120,9 @@ def _probe_in_eval_mode(model: nn.Module) -> DecoderCapability:
     inputs = hf.probe_inputs(model, _PROBE_LENGTH)  # encoder inputs and decoder tokens, batch of 2
     try:
         plain = _compare_feeds(model, inputs, inputs.decoder_tokens)
-    except (
-        AssertionError,
-        RuntimeError,
-        ValueError,
-        IndexError,
-        TypeError,
-        AttributeError,
-        NotImplementedError,
-    ) as error:
+    except _REFUSAL_TYPES as error:
+        if not _raised_by_model_code(model, error.__traceback__):
+            raise
         raise _refuse(
             model, f"its decoder fails when fed several tokens with a non-empty cache ({type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''})"
@@ -127,6 +139,20 @@ def _probe_in_eval_mode(model: nn.Module) -> DecoderCapability:
     with_pad = inputs.decoder_tokens.clone()
     with_pad[:, 2] = inputs.pad_token_id
     return DecoderCapability(positions_count_non_pad=_compare_feeds(model, inputs, with_pad) is not None)
+
+
+def _raised_by_model_code(model: nn.Module, trace: TracebackType | None) -> bool:
+    """Whether the innermost frame of `trace` outside torch runs the code of one of `model`'s module classes
+    (its modeling files: `transformers.models.<arch>.modeling_<arch>`), not ours, transformers' generic code or
+    anything else."""
+    modeling = {type(module).__module__ for module in model.modules()}
+    innermost = None
+    while trace is not None:
+        name = trace.tb_frame.f_globals.get("__name__", "")
+        if name != "torch" and not name.startswith("torch."):
+            innermost = name
+        trace = trace.tb_next
+    return innermost in modeling
 
 
 def _compare_feeds(model: nn.Module, inputs: hf.ProbeInputs, tokens: torch.Tensor) -> str | None:

@@ -17,17 +17,24 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.base import Drafter, NoDrafter
-from hf_blockwise.engine import CompileOptions, compiled_decoder
-from hf_blockwise.generation.acceptance import AcceptanceRule, ExactAcceptance
+from hf_blockwise.engine import CompiledDecoder, CompileOptions, compiled_decoder
+from hf_blockwise.generation.acceptance import AcceptanceRule, ExactAcceptance, check_rule_fits
 from hf_blockwise.generation.capability import check_decoder, check_verification_width
 from hf_blockwise.generation.state import DecodingSetup, DecodingState, DecodingStats
 from hf_blockwise.generation.step import decode_step
 
 
 def _validate_call(
-    model: nn.Module, input_ids: torch.Tensor, assistant: Drafter | None, acceptance: AcceptanceRule | None
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    assistant: Drafter | None,
+    acceptance: AcceptanceRule | None,
+    logits_processor: LogitsProcessorList,
 ) -> tuple[Drafter, AcceptanceRule]:
     hf.encoder_decoder_only(model)
+    hf.check_materialized(model)
+    if input_ids.shape[0] > 1:  # one row has no other rows to read
+        hf.check_row_local_processors(logits_processor or [])
     if input_ids.shape[0] == 0:
         raise ValueError("generate was called with an empty batch (batch size 0)")
     drafter = NoDrafter() if assistant is None else assistant
@@ -40,6 +47,8 @@ def _validate_call(
     rule = ExactAcceptance() if acceptance is None else acceptance
     if not isinstance(rule, AcceptanceRule):
         raise TypeError(f"acceptance= takes an AcceptanceRule such as ExactAcceptance(), got {type(rule).__name__}")
+    check_rule_fits(rule, max(int(drafter.block_size), 1))
+    drafter.check_base(model)
     return drafter, rule
 
 
@@ -70,13 +79,68 @@ def initial_state(call: hf.GenerateCall, setup: DecodingSetup) -> DecodingState:
     )
 
 
-def finish(state: DecodingState, return_dict: bool) -> torch.Tensor | hf.BlockwiseGenerateOutput:
-    """Every row's tokens in the caller's order, cut to the longest row, as greedy search returns them."""
+def finish(
+    state: DecodingState, return_dict: bool, compiled_forwards: int = 0
+) -> torch.Tensor | hf.BlockwiseGenerateOutput:
+    """Every row's tokens in the caller's order, cut to the longest row, as greedy search returns them (with the
+    call's [`DecodingStats`] when `return_dict`; `compiled_forwards`: the passes the compiled engine ran)."""
     output_ids = state.output[:, : int(state.output_lengths.max())]
     if not return_dict:
         return output_ids
-    stats = DecodingStats(num_forwards=len(state.accepted), accepted=torch.stack(state.accepted).cpu())
+    accepted = torch.stack(state.accepted).cpu()
+    stats = DecodingStats(num_forwards=len(state.accepted), accepted=accepted, compiled_forwards=compiled_forwards)
     return hf.BlockwiseGenerateOutput(sequences=output_ids, decoding_stats=stats)
+
+
+def with_engine(
+    model: nn.Module, call: hf.GenerateCall, block_size: int, blockwise_compile: bool | CompileOptions
+) -> tuple[hf.GenerateCall, CompiledDecoder | None]:
+    """The compiled engine a call verifies through, and the call with the engine's static cache in place of
+    transformers' dynamic one.
+
+    Args:
+        block_size (`int`): most tokens a row feeds per step (k); the static cache holds `max_length + k + 1`
+            positions, room for the last step's feed past the length limit.
+        blockwise_compile (`bool` or [`CompileOptions`]): `generate`'s argument; `False` decodes eagerly.
+
+    Returns:
+        The call, and the [`CompiledDecoder`], or `None` (eager decoding: the call unchanged).
+    """
+    options = CompileOptions.coerce(blockwise_compile)
+    engine = None if options is None else compiled_decoder(model, options)
+    if engine is not None:
+        call = dataclasses.replace(call, cache=engine.new_cache(call.stop_rules.max_length + block_size + 1))
+    return call, engine
+
+
+def decoding_setup(
+    model: nn.Module,
+    call: hf.GenerateCall,
+    drafter: Drafter,
+    rule: AcceptanceRule,
+    logits_processor: LogitsProcessorList,
+    block_size: int,
+    engine: CompiledDecoder | None,
+) -> DecodingSetup:
+    """What stays fixed during the call, once the model is known to verify `block_size` tokens per pass exactly
+    (checked here when `block_size > 1`; an [`UnsupportedModelError`] otherwise)."""
+    capability = None
+    if block_size > 1:
+        check_verification_width(model, block_size)
+        capability = check_decoder(model)
+    return DecodingSetup(
+        model=model,
+        drafter=drafter,
+        acceptance=rule,
+        logits_processor=logits_processor,
+        stop_rules=call.stop_rules,
+        block_size=block_size,
+        filler_token_id=call.filler_token_id,
+        pad_cut_token_id=call.pad_token_id if capability is not None and capability.positions_count_non_pad else None,
+        batch_size=call.decoder_input_ids.shape[0],
+        streamer=call.streamer,
+        engine=engine,
+    )
 
 
 def blockwise_generate(
@@ -114,35 +178,18 @@ def blockwise_generate(
         `torch.LongTensor` of shape `(batch_size, sequence_length)`, or a [`BlockwiseGenerateOutput`] with
         `decoding_stats` when `return_dict_in_generate=True`.
     """
-    drafter, rule = _validate_call(model, input_ids, assistant, acceptance)
+    drafter, rule = _validate_call(model, input_ids, assistant, acceptance, logits_processor)
     call = hf.adapt_generate_call(
         model, input_ids, stopping_criteria, generation_config, synced_gpus, streamer, inputs_tensor, model_kwargs
     )
     block_size = max(int(drafter.block_size), 1)
-    options = CompileOptions.coerce(blockwise_compile)
-    engine = None if options is None else compiled_decoder(model, options)
-    if engine is not None:
-        call = dataclasses.replace(call, cache=engine.new_cache(call.stop_rules.max_length + block_size + 1))
-    capability = None
-    if block_size > 1:
-        check_verification_width(model, block_size)
-        capability = check_decoder(model)
-    setup = DecodingSetup(
-        model=model,
-        drafter=drafter,
-        acceptance=rule,
-        logits_processor=logits_processor,
-        stop_rules=call.stop_rules,
-        block_size=block_size,
-        filler_token_id=call.filler_token_id,
-        pad_cut_token_id=call.pad_token_id if capability is not None and capability.positions_count_non_pad else None,
-        batch_size=input_ids.shape[0],
-        streamer=call.streamer,
-        engine=engine,
-    )
+    call, engine = with_engine(model, call, block_size, blockwise_compile)
+    setup = decoding_setup(model, call, drafter, rule, logits_processor, block_size, engine)
+    compiled_before = 0 if engine is None else engine.compiled_calls
     state = initial_state(call, setup)
     while state.num_rows > 0:
         state = decode_step(state, setup)
     if call.streamer is not None:
         call.streamer.end()
-    return finish(state, generation_config.return_dict_in_generate)
+    compiled_forwards = 0 if engine is None else engine.compiled_calls - compiled_before
+    return finish(state, generation_config.return_dict_in_generate, compiled_forwards)

@@ -28,10 +28,14 @@ class DecodingStats:
         num_forwards (`int`): decoder forward passes, the first (prefill) one included.
         accepted (`torch.LongTensor` of shape `(num_iterations, batch_size)`): tokens each row gained at each
             iteration (accepted drafts plus the base model's own token); 0 once a row has finished.
+        compiled_forwards (`int`): how many of the forward passes ran through the compiled engine's graph
+            (`blockwise_compile=`; its first pass of a call runs eagerly); 0 without the engine. Compiled graphs run
+            no module hooks, so a caller counting decoder calls with a hook adds these.
     """
 
     num_forwards: int
     accepted: torch.Tensor
+    compiled_forwards: int = 0
 
     @property
     def mean_accepted(self) -> float:
@@ -43,13 +47,20 @@ class DecodingStats:
         """The statistics of one row of the batch: the forwards it took part in and its column of `accepted`.
 
         Callers that split a `generate` output into rows index every field (Whisper's `generate` does, with
-        `value[row].cpu()`, for each segment it decodes), so the statistics split along with the sequences.
+        `value[row].cpu()`, for each segment it decodes), so the statistics split along with the sequences. Every
+        row takes part in the eager passes, which come first, so a row's compiled passes are the rest of its own.
         """
         accepted = self.accepted[:, [row]]  # (num_iterations, 1)
-        return DecodingStats(num_forwards=int((accepted > 0).sum()), accepted=accepted)
+        num_forwards = int((accepted > 0).sum())
+        eager_forwards = self.num_forwards - self.compiled_forwards
+        return DecodingStats(
+            num_forwards=num_forwards, accepted=accepted, compiled_forwards=max(num_forwards - eager_forwards, 0)
+        )
 
     def cpu(self) -> DecodingStats:
-        return DecodingStats(num_forwards=self.num_forwards, accepted=self.accepted.cpu())
+        return DecodingStats(
+            num_forwards=self.num_forwards, accepted=self.accepted.cpu(), compiled_forwards=self.compiled_forwards
+        )
 
 
 @dataclass(frozen=True)

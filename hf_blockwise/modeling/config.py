@@ -9,6 +9,30 @@ from hf_blockwise.serialization import JsonConfigMixin
 
 CONFIG_NAME = "blockwise_config.json"
 
+# Most tokens one step may produce. Stern et al. train k <= 10 and acceptance falls off long before; the heads'
+# output layer grows with k ** 2 (block_size=1000 on a 256-wide base would be a 1 TB matrix), so a larger value is
+# a typo, refused before anything is allocated.
+MAX_BLOCK_SIZE = 64
+
+
+def check_block_size(block_size: object) -> None:
+    """A `ValueError` naming the limits unless `block_size` is an int in [2, `MAX_BLOCK_SIZE`]."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 2 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(
+            f"block_size must be an int from 2 to {MAX_BLOCK_SIZE} (k tokens per step, the base model's own "
+            f"included), got {block_size!r}"
+        )
+
+
+def check_fingerprint(fingerprint: object) -> None:
+    """A `ValueError` unless `fingerprint` is `None` or a list of numbers (see `boundary.weights_fingerprint`)."""
+    if fingerprint is None:
+        return
+    if not isinstance(fingerprint, list) or not all(
+        isinstance(value, (int, float)) and not isinstance(value, bool) for value in fingerprint
+    ):
+        raise ValueError(f"base_fingerprint must be a list of numbers or None, got {fingerprint!r}")
+
 
 @dataclass
 class BlockwiseConfig(JsonConfigMixin):
@@ -30,6 +54,10 @@ class BlockwiseConfig(JsonConfigMixin):
             Width of the decoder states fed to the output projection; checked when heads are attached.
         vocab_size (`int`, *optional*):
             Number of rows of the base's output projection; checked when heads are attached.
+        base_fingerprint (`list[float]`, *optional*):
+            A few weights of the base's output projection, filled in when the heads are attached; `from_pretrained`
+            compares them with the base it attaches to and warns when they differ (configs without it: the
+            recorded base name is compared instead).
         shortlist_size (`int`, *optional*):
             When set, the heads propose only among this many token ids (stored with the head weights, see
             [`BlockwiseHeadsModel.set_shortlist`]): drafting projects onto the shortlist instead of the whole
@@ -52,14 +80,13 @@ class BlockwiseConfig(JsonConfigMixin):
     shortlist_size: int | None = None
     condition_on_token: bool = False
     sequential: bool = False
+    base_fingerprint: list[float] | None = None
 
     file_name: ClassVar[str] = CONFIG_NAME
 
     def __post_init__(self) -> None:
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 2:
-            raise ValueError(
-                f"block_size must be an int >= 2 (k tokens per step, k - 1 heads), got {self.block_size!r}"
-            )
+        check_block_size(self.block_size)
+        check_fingerprint(self.base_fingerprint)
         for name in ("head_hidden_size", "hidden_size", "vocab_size", "shortlist_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -98,6 +125,8 @@ class FeatureDrafterConfig(JsonConfigMixin):
         base_model_name_or_path, base_model_type, hidden_size, embedding_size, encoder_hidden_size, vocab_size:
             what the drafter was built for, filled in from the base and checked when it is attached.
         shortlist_size (`int`, *optional*): drafts are drawn from this many token ids only (stored with the weights).
+        base_fingerprint (`list[float]`, *optional*): a few weights of the base's output projection, filled in when
+            the drafter is attached and compared by `from_pretrained` with the base it attaches to.
     """
 
     block_size: int = 5
@@ -113,12 +142,13 @@ class FeatureDrafterConfig(JsonConfigMixin):
     encoder_hidden_size: int | None = None
     vocab_size: int | None = None
     shortlist_size: int | None = None
+    base_fingerprint: list[float] | None = None
 
     file_name: ClassVar[str] = FEATURE_DRAFTER_CONFIG_NAME
 
     def __post_init__(self) -> None:
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 2:
-            raise ValueError(f"block_size must be an int >= 2 (k tokens per step), got {self.block_size!r}")
+        check_block_size(self.block_size)
+        check_fingerprint(self.base_fingerprint)
         if self.draft_threshold is not None and not 0.0 <= self.draft_threshold < 1.0:
             raise ValueError(f"draft_threshold must be in [0, 1) or None, got {self.draft_threshold!r}")
         if not isinstance(self.cross_attention, bool):

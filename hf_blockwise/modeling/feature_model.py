@@ -7,7 +7,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
@@ -15,14 +14,13 @@ from transformers.utils import ModelOutput
 from hf_blockwise import boundary as hf
 from hf_blockwise.boundary import BaseModelWrapper, output_projection_logits, resolve_file
 from hf_blockwise.drafters.feature import AttentionMemory, FeatureDrafter
-from hf_blockwise.generation.loop import blockwise_generate
-from hf_blockwise.modeling.config import FEATURE_DRAFTER_CONFIG_NAME, FeatureDrafterConfig
+from hf_blockwise.modeling.adapter import AdapterModelMixin, check_base_signature
+from hf_blockwise.modeling.config import FeatureDrafterConfig
 from hf_blockwise.modeling.feature_layer import FeatureDrafterLayer, unrolled_mask
 from hf_blockwise.modeling.shortlist import shortlist_ids
-from hf_blockwise.serialization import atomic_write, load_checked_weights
+from hf_blockwise.serialization import load_adapter_weights, save_adapter
 
 FEATURE_DRAFTER_WEIGHTS_NAME = "feature_drafter.safetensors"
-_OWN_DRAFTER = object()
 
 
 @dataclass
@@ -57,21 +55,18 @@ def drafter_signature(base_model: nn.Module) -> dict[str, Any]:
 
 
 def check_drafter_fits(config: FeatureDrafterConfig, base_model: nn.Module) -> None:
-    """Raises a `ValueError` naming both sides when the drafter was made for a different kind of base, and warns
-    when it names another base checkpoint than the one it is attached to."""
-    mismatches = [
-        f"{key}: drafter expects {getattr(config, key)!r}, base has {value!r}"
-        for key, value in drafter_signature(base_model).items()
-        if getattr(config, key) is not None and getattr(config, key) != value
-    ]
-    if mismatches:
-        raise ValueError(
-            f"This feature drafter (made for base {config.base_model_name_or_path!r}) does not fit the base model "
-            f"{hf.model_name(base_model)!r}: " + "; ".join(mismatches)
-        )
+    """Raises a `ValueError` naming both sides when the drafter was made for a different kind of base (a drafter
+    naming another base checkpoint is warned about when it is loaded, by `boundary.adapter_base`)."""
+    check_base_signature(
+        config,
+        drafter_signature(base_model),
+        "drafter expects",
+        f"This feature drafter (made for base {config.base_model_name_or_path!r}) does not fit the base model "
+        f"{hf.model_name(base_model)!r}",
+    )
 
 
-class FeatureDrafterModel(BaseModelWrapper):
+class FeatureDrafterModel(AdapterModelMixin, BaseModelWrapper):
     """A transformers seq2seq model with a feature-level drafter: one decoder layer that reads the base's decoder
     state at its output projection and the embedding of the token chosen from it, cross-attends to the base's
     encoder output, and predicts the next state; the base's own output projection turns it into a draft.
@@ -92,25 +87,17 @@ class FeatureDrafterModel(BaseModelWrapper):
     ```
     """
 
+    config_class = FeatureDrafterConfig
+    adapter_name = "feature drafter weights"
+    check_fits = staticmethod(check_drafter_fits)
+
     def __init__(self, base_model: PreTrainedModel, config: FeatureDrafterConfig | None = None) -> None:
         super().__init__()
-        hf.encoder_decoder_only(base_model)
-        hf.check_output_projection(base_model)
-        config = FeatureDrafterConfig() if config is None else config
-        check_drafter_fits(config, base_model)
-        signature = drafter_signature(base_model)
-        hidden_size = signature["hidden_size"]
-        self.feature_config = replace(
-            config,
-            **signature,
-            num_attention_heads=config.num_attention_heads or max(1, hidden_size // 64),
-            ffn_size=config.ffn_size or hf.decoder_ffn_width(hf.decoder_config(base_model.config)),
-            base_model_name_or_path=config.base_model_name_or_path or getattr(base_model, "name_or_path", None) or None,
-        )
+        self.feature_config = self.filled_config(base_model, config)
         self.base_model = base_model
         fc = self.feature_config
         self.layer = FeatureDrafterLayer(
-            hidden_size,
+            fc.hidden_size,
             fc.embedding_size,
             fc.num_attention_heads,
             fc.ffn_size,
@@ -119,6 +106,17 @@ class FeatureDrafterModel(BaseModelWrapper):
         )
         projection = base_model.get_output_embeddings().weight
         self.layer.to(device=projection.device, dtype=projection.dtype)
+
+    @staticmethod
+    def base_fields(config: FeatureDrafterConfig, base_model: nn.Module) -> dict[str, Any]:
+        """The base's signature ([`drafter_signature`]), and the layer's attention heads (by default one per 64
+        state dimensions) and feed-forward width (by default the decoder's)."""
+        signature = drafter_signature(base_model)
+        return {
+            **signature,
+            "num_attention_heads": config.num_attention_heads or max(1, signature["hidden_size"] // 64),
+            "ffn_size": config.ffn_size or hf.decoder_ffn_width(hf.decoder_config(base_model.config)),
+        }
 
     def token_embeddings(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The base decoder's input embeddings of `token_ids` (shape `(...)` -> `(..., embedding_size)`)."""
@@ -167,48 +165,96 @@ class FeatureDrafterModel(BaseModelWrapper):
             raise ValueError("FeatureDrafterModel.forward trains the drafter and needs labels")
         if input_ids is not None:
             kwargs["input_ids"] = input_ids
-        with torch.no_grad(), hf.capture_output_projection_input(self.base_model) as captured:
-            outputs = self.base_model(attention_mask=attention_mask, labels=labels, return_dict=True, **kwargs)
-        states = captured[-1].detach().to(self.layer.out.weight.dtype)  # (B, T, d): h_p predicts token p + 1
-        greedy = outputs.logits.argmax(dim=-1)  # (B, T): the base's choice from each state
+        states, greedy, encoder = self._teacher_forced_base(attention_mask, labels, kwargs)
         # position p's input pairs h_p with the token fed at p + 1 (the label at p), as at inference
         embedded = self.token_embeddings(labels.clamp(min=0))  # (B, T, e)
         valid = labels[:, 1:] != -100  # (B, T-1): position p's target state h_{p+1} and token exist
+        return self._unrolled_losses(states, greedy, embedded, encoder, valid)
+
+    def _teacher_forced_base(
+        self, attention_mask: torch.Tensor | None, labels: torch.Tensor, base_kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMemory]:
+        """The frozen base's teacher-forced pass: what the drafter reads and is trained to predict.
+
+        Returns:
+            states (`torch.Tensor` of shape `(batch_size, target_length, hidden_size)`): the base's decoder states
+                at its output projection, in the drafter's dtype; h_p predicts token p + 1.
+            greedy (`torch.LongTensor` of shape `(batch_size, target_length)`): the base's choice from each state.
+            encoder ([`AttentionMemory`]): the drafter's cross-attention memory over the base's encoder output.
+        """
+        with torch.no_grad(), hf.capture_output_projection_input(self.base_model) as captured:
+            outputs = self.base_model(attention_mask=attention_mask, labels=labels, return_dict=True, **base_kwargs)
+        states = captured[-1].detach().to(self.layer.out.weight.dtype)
+        greedy = outputs.logits.argmax(dim=-1)
         encoder_states = outputs.encoder_last_hidden_state
         encoder = self.layer.encoder_memory(
             encoder_states, hf.encoder_output_mask(self.base_model, encoder_states, attention_mask)
         )
-        length = states.shape[1]
+        return states, greedy, encoder
+
+    def _unrolled_losses(
+        self,
+        states: torch.Tensor,
+        greedy: torch.Tensor,
+        embedded: torch.Tensor,
+        encoder: AttentionMemory,
+        valid: torch.Tensor,
+    ) -> FeatureDrafterOutput:
+        """Losses of `training_depth` unrolled drafting steps: step 0 reads the base's `states`, step i the states
+        step i - 1 predicted, one position back.
+
+        Args:
+            states (`torch.Tensor` of shape `(batch_size, target_length, hidden_size)`): the base's states.
+            greedy (`torch.LongTensor` of shape `(batch_size, target_length)`): the base's greedy tokens.
+            embedded (`torch.Tensor` of shape `(batch_size, target_length, embedding_size)`): the fed tokens.
+            encoder ([`AttentionMemory`]): cross-attention memory over the encoder output.
+            valid (`torch.BoolTensor` of shape `(batch_size, target_length - 1)`): positions whose target exists.
+        """
         targets, target_tokens = states[:, 1:], greedy[:, 1:]
         scale = targets.float().pow(2).mean(dim=-1, keepdim=True).sqrt().clamp(min=1e-6)  # (B, T-1, 1)
         memories: list[AttentionMemory] = []
         read = states
-        feature_losses, token_losses, accuracies = [], [], []
+        step_losses = []
         for step in range(self.feature_config.training_depth):
-            inputs = self.layer.inputs(read, embedded)  # (B, T, d)
-            fresh, normed = self.layer.self_memory(inputs)
+            predicted, fresh = self._unrolled_step(read, embedded, memories, encoder, step)
             memories.append(fresh)
-            memory = AttentionMemory(
-                torch.cat([m.keys for m in memories], dim=2),
-                torch.cat([m.values for m in memories], dim=2),
-                unrolled_mask(length, step, states.device),
-            )
-            predicted = self.layer(inputs, normed, memory, encoder)  # (B, T, d): prediction of h_{p+1}
             step_valid = valid.clone()
             step_valid[:, :step] = False  # position p of step i needs a verified position p - i >= 0
-            feature_loss, token_loss, accuracy = self._step_losses(
-                predicted[:, :-1], targets, scale, target_tokens, step_valid
-            )
-            feature_losses.append(feature_loss)
-            token_losses.append(token_loss)
-            accuracies.append(accuracy)
+            step_losses.append(self._step_losses(predicted[:, :-1], targets, scale, target_tokens, step_valid))
             # the next step reads, at p, the state this step predicted for p
             read = torch.cat([predicted.new_zeros(predicted[:, :1].shape), predicted[:, :-1]], dim=1)
+        feature_losses, token_losses, accuracies = (torch.stack(column) for column in zip(*step_losses, strict=True))
         return FeatureDrafterOutput(
-            feature_losses=torch.stack(feature_losses),
-            token_losses=torch.stack(token_losses),
-            token_accuracies=torch.stack(accuracies),
+            feature_losses=feature_losses, token_losses=token_losses, token_accuracies=accuracies
         )
+
+    def _unrolled_step(
+        self,
+        read: torch.Tensor,
+        embedded: torch.Tensor,
+        earlier: list[AttentionMemory],
+        encoder: AttentionMemory,
+        step: int,
+    ) -> tuple[torch.Tensor, AttentionMemory]:
+        """One unrolled drafting step over every position at once.
+
+        Args:
+            read (`torch.Tensor` of shape `(batch_size, target_length, hidden_size)`): the states this step reads.
+            earlier (`list[AttentionMemory]`): the self-attention memories of the steps before it.
+
+        Returns:
+            The predicted states (shape `(batch_size, target_length, hidden_size)`; at p, the prediction of
+            h_{p+1}), and this step's own self-attention memory.
+        """
+        inputs = self.layer.inputs(read, embedded)  # (B, T, d)
+        fresh, normed = self.layer.self_memory(inputs)
+        memories = [*earlier, fresh]
+        memory = AttentionMemory(
+            torch.cat([m.keys for m in memories], dim=2),
+            torch.cat([m.values for m in memories], dim=2),
+            unrolled_mask(read.shape[1], step, read.device),
+        )
+        return self.layer(inputs, normed, memory, encoder), fresh
 
     def _step_losses(
         self,
@@ -230,62 +276,30 @@ class FeatureDrafterModel(BaseModelWrapper):
         accuracy = (logits.detach().argmax(dim=-1) == target_tokens[valid]).float().mean()
         return feature_loss, token_loss, accuracy
 
-    @torch.no_grad()
-    def generate(self, *args: Any, assistant: Any = _OWN_DRAFTER, acceptance: Any = None, **kwargs: Any):
-        """The base model's `generate`, decoded blockwise with this model's feature drafter.
-
-        Takes every argument of transformers' `generate`. `assistant=None` runs the base model's own greedy
-        `generate`; another [`Drafter`] replaces the feature drafter.
-        """
-        hf.check_generate_inputs(self.base_model, args, kwargs)
-        if assistant is None:
-            return self.base_model.generate(*args, **kwargs)
-        drafter = self.drafter() if assistant is _OWN_DRAFTER else assistant
-        return self.base_model.generate(
-            *args, custom_generate=blockwise_generate, assistant=drafter, acceptance=acceptance, **kwargs
-        )
-
     def save_pretrained(
-        self, save_directory: str | os.PathLike, base_model_name_or_path: str | None = None, dtype=None
+        self,
+        save_directory: str | os.PathLike,
+        base_model_name_or_path: str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         """Writes `feature_drafter_config.json` and `feature_drafter.safetensors` (the drafter's weights only),
-        atomically. `base_model_name_or_path` records another base location (e.g. a hub name)."""
-        os.makedirs(save_directory, exist_ok=True)
-        tensors = {
-            name: tensor.detach().to(dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype)
-            for name, tensor in self.layer.state_dict().items()
-        }
-        tensors = {name: tensor.contiguous().cpu() for name, tensor in tensors.items()}
-        atomic_write(
-            os.path.join(save_directory, FEATURE_DRAFTER_WEIGHTS_NAME),
-            lambda path: save_file(tensors, path, metadata={"format": "pt"}),
-        )
+        atomically ([`save_adapter`]).
+
+        Args:
+            base_model_name_or_path (`str`, *optional*): another base location to record (e.g. a hub name).
+            dtype (`torch.dtype`, *optional*): store the weights in this dtype (e.g. `torch.float16`).
+        """
         config = self.feature_config
         if base_model_name_or_path is not None:
             config = replace(config, base_model_name_or_path=base_model_name_or_path)
-        config.save_pretrained(save_directory)
+        save_adapter(
+            save_directory, config, FEATURE_DRAFTER_WEIGHTS_NAME, self.layer.state_dict(), dtype, {"format": "pt"}
+        )
 
-    @classmethod
-    def from_pretrained(
-        cls,
-        drafter_name_or_path: str | os.PathLike,
-        base_model: PreTrainedModel | None = None,
-        **base_model_kwargs: Any,
-    ) -> FeatureDrafterModel:
-        """Loads a drafter saved by [`save_pretrained`] and attaches it to a base model.
+    def load_weights(self, drafter_name_or_path: str | os.PathLike) -> None:
+        """Loads into this model, checked, the drafter weights [`save_pretrained`] wrote.
 
-        Args:
-            drafter_name_or_path: local directory or hub repository holding the drafter.
-            base_model: the base to attach it to (e.g. `heads_model.base_model`); by default the checkpoint named
-                in the config is loaded with `AutoModelForSeq2SeqLM.from_pretrained(name, **base_model_kwargs)`,
-                a relative name being looked up beside the drafter first.
+        Raises:
+            `ValueError` naming the file when it is corrupt, or holds missing, unexpected or misshaped tensors.
         """
-        config = FeatureDrafterConfig.from_json_file(resolve_file(drafter_name_or_path, FEATURE_DRAFTER_CONFIG_NAME))
-        location, base_model = hf.adapter_base(
-            drafter_name_or_path, config.base_model_name_or_path, base_model, "feature drafter weights",
-            base_model_kwargs,
-        )  # fmt: skip
-        config = replace(config, base_model_name_or_path=location)
-        model = cls(hf.unwrap_base(base_model), config)
-        load_checked_weights(resolve_file(drafter_name_or_path, FEATURE_DRAFTER_WEIGHTS_NAME), model.layer, "Drafter")
-        return model
+        load_adapter_weights(resolve_file(drafter_name_or_path, FEATURE_DRAFTER_WEIGHTS_NAME), self.layer, "Drafter")

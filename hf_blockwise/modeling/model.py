@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
@@ -25,19 +23,16 @@ from hf_blockwise.boundary import (
 )
 from hf_blockwise.drafters.base import Drafter
 from hf_blockwise.drafters.heads import HeadsDrafter
-from hf_blockwise.generation.loop import blockwise_generate
-from hf_blockwise.modeling.config import CONFIG_NAME, BlockwiseConfig
+from hf_blockwise.modeling.adapter import AdapterModelMixin, check_base_signature
+from hf_blockwise.modeling.config import BlockwiseConfig
 from hf_blockwise.modeling.heads import BlockwiseHeads, SequentialHeads
 from hf_blockwise.modeling.shortlist import shortlist_ids
-from hf_blockwise.serialization import atomic_write, load_checked_weights
+from hf_blockwise.serialization import load_adapter_weights, read_adapter_weights, save_adapter
 
 WEIGHTS_NAME = "blockwise_heads.safetensors"
 # PEFT's own file names: a LoRA adapter on the base is stored beside the heads exactly as PEFT stores it.
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
-
-# `generate(assistant=...)` default: draft with this model's own heads. `assistant=None` means plain greedy.
-_OWN_HEADS = object()
 
 
 @dataclass
@@ -78,20 +73,16 @@ def base_signature(base_model: nn.Module) -> dict[str, Any]:
 
 def check_heads_fit(config: BlockwiseConfig, base_model: nn.Module) -> None:
     """Raises a `ValueError` naming both sides when heads were made for a different kind of base."""
-    actual = base_signature(base_model)
-    mismatches = [
-        f"{key}: heads expect {getattr(config, key)!r}, base has {value!r}"
-        for key, value in actual.items()
-        if getattr(config, key) is not None and getattr(config, key) != value
-    ]
-    if mismatches:
-        raise ValueError(
-            f"These proposal heads (made for base {config.base_model_name_or_path!r}) do not fit the base model "
-            f"{getattr(base_model, 'name_or_path', '') or type(base_model).__name__!r}: " + "; ".join(mismatches)
-        )
+    check_base_signature(
+        config,
+        base_signature(base_model),
+        "heads expect",
+        f"These proposal heads (made for base {config.base_model_name_or_path!r}) do not fit the base model "
+        f"{getattr(base_model, 'name_or_path', '') or type(base_model).__name__!r}",
+    )
 
 
-class BlockwiseHeadsModel(BaseModelWrapper):
+class BlockwiseHeadsModel(AdapterModelMixin, BaseModelWrapper):
     """A transformers seq2seq model wrapped, not forked, with k − 1 proposal heads (Stern et al. 2018).
 
     The base model is held unchanged; its next-token distribution p1 is used as is, so with a frozen base and
@@ -113,24 +104,13 @@ class BlockwiseHeadsModel(BaseModelWrapper):
     ```
     """
 
+    config_class = BlockwiseConfig
+    adapter_name = "proposal heads"
+    check_fits = staticmethod(check_heads_fit)
+
     def __init__(self, base_model: PreTrainedModel, config: BlockwiseConfig | None = None) -> None:
         super().__init__()
-        hf.encoder_decoder_only(base_model)
-        hf.check_output_projection(base_model)
-        config = BlockwiseConfig() if config is None else config
-        check_heads_fit(config, base_model)
-        signature = base_signature(base_model)
-        decoder_config = hf.decoder_config(base_model.config)
-        self.blockwise_config = BlockwiseConfig.from_dict(
-            {
-                **config.to_dict(),
-                **signature,
-                "head_hidden_size": config.head_hidden_size or decoder_ffn_width(decoder_config),
-                "base_model_name_or_path": config.base_model_name_or_path
-                or getattr(base_model, "name_or_path", None)
-                or None,
-            }
-        )
+        self.blockwise_config = self.filled_config(base_model, config)
         self.base_model = base_model
         projection = base_model.get_output_embeddings().weight
         token_embedding_size = None
@@ -139,7 +119,7 @@ class BlockwiseHeadsModel(BaseModelWrapper):
         self.heads: BlockwiseHeads | SequentialHeads
         if self.blockwise_config.sequential:
             self.heads = SequentialHeads(
-                signature["hidden_size"],
+                self.blockwise_config.hidden_size,
                 self.blockwise_config.head_hidden_size,
                 self.blockwise_config.num_heads,
                 token_embedding_size,
@@ -147,13 +127,23 @@ class BlockwiseHeadsModel(BaseModelWrapper):
             )
         else:
             self.heads = BlockwiseHeads(
-                signature["hidden_size"],
+                self.blockwise_config.hidden_size,
                 self.blockwise_config.head_hidden_size,
                 self.blockwise_config.num_heads,
                 self.blockwise_config.shortlist_size,
                 token_embedding_size,
             )
         self.heads.to(device=projection.device, dtype=projection.dtype)
+
+    @staticmethod
+    def base_fields(config: BlockwiseConfig, base_model: nn.Module) -> dict[str, Any]:
+        """The base's signature ([`base_signature`]) and the heads' width, by default the decoder's feed-forward
+        width."""
+        decoder_config = hf.decoder_config(base_model.config)
+        return {
+            **base_signature(base_model),
+            "head_hidden_size": config.head_hidden_size or decoder_ffn_width(decoder_config),
+        }
 
     def chosen_token_embeddings(self, token_ids: torch.Tensor) -> torch.Tensor | None:
         """What token-conditioned heads read besides the state: the base decoder's input embedding of the token
@@ -249,85 +239,61 @@ class BlockwiseHeadsModel(BaseModelWrapper):
             )
         return hf.decoder_input_embeddings(self.base_model)(torch.stack(tokens, dim=2))
 
-    @torch.no_grad()
-    def generate(self, *args: Any, assistant: Any = _OWN_HEADS, acceptance: Any = None, **kwargs: Any):
-        """The base model's `generate`, decoded blockwise with this model's heads.
-
-        Takes every argument of transformers' `generate`. `assistant=None` runs the base model's own greedy
-        `generate`; another [`Drafter`] replaces the heads. See [`blockwise_generate`] for the return value.
-        """
-        hf.check_generate_inputs(self.base_model, args, kwargs)
-        if assistant is None:
-            return self.base_model.generate(*args, **kwargs)
-        drafter = self.drafter() if assistant is _OWN_HEADS else assistant
-        return self.base_model.generate(
-            *args, custom_generate=blockwise_generate, assistant=drafter, acceptance=acceptance, **kwargs
-        )
-
     def save_pretrained(
         self,
         save_directory: str | os.PathLike,
         base_model_name_or_path: str | None = None,
         dtype: torch.dtype | None = None,
+        include_base: bool = False,
     ) -> None:
-        """Writes `blockwise_config.json` and `blockwise_heads.safetensors` (head weights only), atomically.
+        """Writes `blockwise_config.json` and `blockwise_heads.safetensors` (head weights only), atomically
+        ([`save_adapter`]).
 
         When the base carries a PEFT adapter (LoRA training), the adapter is written beside the heads in PEFT's
         format (`adapter_config.json`, `adapter_model.safetensors`) and the config names the underlying base.
 
         Args:
             save_directory: where to write.
-            base_model_name_or_path (`str`, *optional*): base to record instead of the current one, e.g. `"."`
-                when the base is saved into the same directory.
+            base_model_name_or_path (`str`, *optional*): base to record instead of the current one.
             dtype (`torch.dtype`, *optional*): store the head weights in this dtype (e.g. `torch.float16`).
+            include_base (`bool`, defaults to `False`): also write the base, in transformers' format, into the
+                same directory and record it as `"."` (unless `base_model_name_or_path` says otherwise), so that
+                the directory loads as one piece (a checkpoint of full fine-tuning).
         """
-        os.makedirs(save_directory, exist_ok=True)
-        tensors = {
-            name: tensor.detach().to(dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype)
-            for name, tensor in self.heads.state_dict().items()
-        }
-        tensors = {name: tensor.contiguous().cpu() for name, tensor in tensors.items()}
-        block_size = str(self.blockwise_config.block_size)
-        atomic_write(
-            os.path.join(save_directory, WEIGHTS_NAME),
-            lambda path: save_file(tensors, path, metadata={"format": "pt", "block_size": block_size}),
-        )
         config = self.blockwise_config
-        if _is_peft_model(self.base_model):
-            _save_adapter_atomically(self.base_model, save_directory)
+        if include_base and base_model_name_or_path is None:
+            base_model_name_or_path = "."
         if base_model_name_or_path is not None:
             config = dataclasses.replace(config, base_model_name_or_path=base_model_name_or_path)
-        config.save_pretrained(save_directory)
+        # PEFT's `save_pretrained` writes only the adapter of a PEFT model, transformers' the whole model
+        write_beside = [self.base_model.save_pretrained] if include_base or _is_peft_model(self.base_model) else []
+        save_adapter(
+            save_directory, config, WEIGHTS_NAME, self.heads.state_dict(), dtype,
+            metadata={"format": "pt", "block_size": str(config.block_size)}, write_beside=write_beside,
+        )  # fmt: skip
+
+    def load_weights(self, heads_name_or_path: str | os.PathLike, include_base: bool = False) -> None:
+        """Loads into this model, checked, the weights [`save_pretrained`] wrote: the heads, and the LoRA adapter
+        when the base is a PEFT model (as during LoRA training); with `include_base`, the base saved beside them.
+
+        Raises:
+            `ValueError` naming the file when one is corrupt, or holds missing, unexpected or misshaped tensors.
+        """
+        load_adapter_weights(resolve_file(heads_name_or_path, WEIGHTS_NAME), self.heads, "Head")
+        if _is_peft_model(self.base_model):
+            _load_lora_weights(self.base_model, resolve_file(heads_name_or_path, ADAPTER_WEIGHTS_NAME))
+        if include_base:
+            self.base_model.load_state_dict(hf.load_encoder_decoder(heads_name_or_path).state_dict())
 
     @classmethod
-    def from_pretrained(
-        cls,
-        heads_name_or_path: str | os.PathLike,
-        base_model: PreTrainedModel | None = None,
-        **base_model_kwargs: Any,
-    ) -> BlockwiseHeadsModel:
-        """Loads heads saved by [`save_pretrained`] and attaches them to a base model.
+    def attachable_base(cls, name_or_path: str | os.PathLike, base_model: nn.Module) -> nn.Module:
+        """A PEFT adapter saved beside the heads (LoRA training) is loaded onto the base and merged, so decoding is
+        exact with respect to the merged model; the base as given otherwise."""
+        if not has_file(name_or_path, ADAPTER_CONFIG_NAME):
+            return base_model
+        from peft import PeftModel
 
-        Args:
-            heads_name_or_path: local directory or hub repository holding the heads.
-            base_model: the base to attach them to; by default the checkpoint named in the heads' config is
-                loaded with `AutoModelForSeq2SeqLM.from_pretrained(name, **base_model_kwargs)`; a relative
-                name is first looked up inside the heads directory. A PEFT adapter saved beside the heads
-                (LoRA training) is loaded onto it and merged, so decoding is exact with respect to the merged
-                model.
-        """
-        config = BlockwiseConfig.from_json_file(resolve_file(heads_name_or_path, CONFIG_NAME))
-        location, base_model = hf.adapter_base(
-            heads_name_or_path, config.base_model_name_or_path, base_model, "proposal heads", base_model_kwargs
-        )
-        config = dataclasses.replace(config, base_model_name_or_path=location)
-        if has_file(heads_name_or_path, ADAPTER_CONFIG_NAME):
-            from peft import PeftModel
-
-            base_model = PeftModel.from_pretrained(base_model, str(heads_name_or_path)).merge_and_unload()
-        model = cls(base_model, config)
-        load_checked_weights(resolve_file(heads_name_or_path, WEIGHTS_NAME), model.heads, "Head")
-        return model
+        return PeftModel.from_pretrained(base_model, str(name_or_path)).merge_and_unload()
 
 
 def heads_cross_entropy(
@@ -367,9 +333,8 @@ def _is_peft_model(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-def _save_adapter_atomically(peft_model: nn.Module, save_directory: str | os.PathLike) -> None:
-    """PEFT writes its files in place; write them to a scratch directory and move each one in whole."""
-    with tempfile.TemporaryDirectory(dir=save_directory, prefix=".adapter-") as scratch:
-        peft_model.save_pretrained(scratch)
-        for name in os.listdir(scratch):
-            os.replace(os.path.join(scratch, name), os.path.join(save_directory, name))
+def _load_lora_weights(peft_model: nn.Module, path: str) -> None:
+    """Loads a LoRA adapter saved in PEFT's format into the PEFT model it was saved from, checked."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    set_peft_model_state_dict(peft_model, read_adapter_weights(path, get_peft_model_state_dict(peft_model), "LoRA"))

@@ -1,5 +1,5 @@
-"""Audio for the speech demo and bench: 16-bit PCM WAV files, folders of them with transcripts (the `audiofolder`
-layout of `datasets`), and word error rate.
+"""Audio for the speech demo and bench: 16-bit PCM WAV files and folders of them with transcripts (the `audiofolder`
+layout of `datasets`). Word error rate is scored in [`hf_blockwise.evaluation.scores`].
 
 WAV is read and written with the standard library's `wave`, so no audio package is needed; other formats are an
 error that says how to convert them.
@@ -10,7 +10,6 @@ from __future__ import annotations
 import csv
 import os
 import wave
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +36,7 @@ def read_wav(path: str | os.PathLike, sampling_rate: int) -> np.ndarray:
         samples = np.frombuffer(handle.readframes(handle.getnframes()), dtype=np.int16).astype(np.float32) / 32768.0
     samples = samples.reshape(-1, channels).mean(axis=1)
     if rate != sampling_rate:
-        # imported here: scipy.signal costs ~0.4 s to import, and every CLI start loads this module (harness WER)
+        # imported here: scipy.signal costs ~0.4 s to import, and every CLI start loads this module
         from scipy.signal import resample_poly
 
         divisor = np.gcd(rate, sampling_rate)
@@ -96,32 +95,3 @@ def read_audio_folder(folder: str | os.PathLike) -> list[AudioExample]:
     if missing:
         raise FileNotFoundError(f"{metadata} names files that are not there: {missing[:3]}")
     return examples
-
-
-def _edit_distance(reference: Sequence[str], hypothesis: Sequence[str]) -> int:
-    """Levenshtein distance between two word lists (one row of the table at a time)."""
-    previous = list(range(len(hypothesis) + 1))
-    for i, word in enumerate(reference, start=1):
-        current = [i]
-        for j, other in enumerate(hypothesis, start=1):
-            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (word != other)))
-        previous = current
-    return previous[-1]
-
-
-def normalize_words(text: str) -> list[str]:
-    """Lower-cased words with punctuation other than apostrophes removed: what WER compares."""
-    kept = "".join(character if character.isalnum() or character in " '" else " " for character in text.lower())
-    return kept.split()
-
-
-def word_error_rate(references: Sequence[str], hypotheses: Sequence[str]) -> float:
-    """Corpus WER: word edits over reference words, after `normalize_words`."""
-    if len(references) != len(hypotheses):
-        raise ValueError(f"{len(references)} references but {len(hypotheses)} hypotheses")
-    pairs = zip(references, hypotheses, strict=True)
-    edits = sum(_edit_distance(normalize_words(ref), normalize_words(hyp)) for ref, hyp in pairs)
-    words = sum(len(normalize_words(reference)) for reference in references)
-    if words == 0:
-        raise ValueError("the references have no words")
-    return edits / words

@@ -9,17 +9,25 @@ import dataclasses
 import json
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
-from transformers import AutoFeatureExtractor, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from hf_blockwise import boundary as hf
+from hf_blockwise.corpus import DRAFTERS
+from hf_blockwise.corpus.job import CorpusJob, CorpusOptions, length_limit, merged_generate_kwargs, prepare_job, run_job
+from hf_blockwise.corpus.paths import check_output_is_not_a_source, check_output_location, check_tokenizer
+from hf_blockwise.evaluation.harness import measure
 from hf_blockwise.generation.loop import blockwise_generate
-from hf_blockwise.modeling.config import FEATURE_DRAFTER_CONFIG_NAME
-from hf_blockwise.modeling.feature_model import FeatureDrafterModel
-from hf_blockwise.modeling.model import BlockwiseHeadsModel
-from hf_blockwise.modeling.quantization import quantize_dynamic_int8
+from hf_blockwise.loading import (
+    FEATURE_DRAFTER_SUBDIR,
+    NAR_DRAFTER_SUBDIR,
+    LoadedModel,
+    build_drafter,
+    default_max_new_tokens,
+    load_model,
+)
 from hf_blockwise.serialization import atomic_write_text
 from hf_blockwise.tools.audio import read_audio_folder, read_wav
 from hf_blockwise.tools.bench import (
@@ -29,23 +37,15 @@ from hf_blockwise.tools.bench import (
     LOOP_MODES,
     MODE_NAMES,
     BenchSetup,
+    Mode,
     compile_modes,
     decoder_cost_curve,
-    is_known_mode,
     make_batches,
     plot_cost_curve,
     read_lines,
     run_bench,
     set_speedup_ceilings,
     write_report,
-)
-from hf_blockwise.tools.corpus import DRAFTERS, generate_corpus
-from hf_blockwise.tools.harness import measure
-from hf_blockwise.tools.loading import (
-    FEATURE_DRAFTER_SUBDIR,
-    NAR_DRAFTER_SUBDIR,
-    load_for_bench,
-    shipped_drafter_path,
 )
 from hf_blockwise.tools.model_configs import MODEL_CONFIGS, build_model, random_sources, resolve_name
 
@@ -68,7 +68,7 @@ def run_demo(
     sentences: Sequence[str],
     repeats: int,
     threads: int | None,
-    max_new_tokens: int = 128,
+    max_new_tokens: int | None = None,
     int8: bool = False,
     drafter: str = "best",
     compile: bool = True,
@@ -77,6 +77,7 @@ def run_demo(
     pair of outputs, whether they are identical, the mean accepted block and the speedup.
 
     Args:
+        max_new_tokens (`int`, *optional*): the length limit; by default the checkpoint's generation_config's.
         drafter (`str`): `"heads"` (the model's proposal heads), `"feature"` (its `feature-drafter/`), or `"best"`:
             the feature drafter when the model ships one, else the heads.
         compile (`bool`): decode blockwise through the compiled engine (`blockwise_compile=True`), compiled once
@@ -90,29 +91,24 @@ def run_demo(
         torch.set_num_threads(threads)
     if not os.path.isdir(model_path):
         raise SystemExit(f"No checkpoint at {model_path}: pass --model DIR holding a base model, heads and tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    # stored in fp16 to stay small; CPU matmuls are fast in fp32
-    model = BlockwiseHeadsModel.from_pretrained(model_path, dtype=torch.float32).eval()
-    if int8:
-        quantize_dynamic_int8(model)  # greedy below is then the int8 model's greedy too
-    base = model.base_model
-    feature_path = shipped_drafter_path(model_path, FEATURE_DRAFTER_SUBDIR, FEATURE_DRAFTER_CONFIG_NAME)
-    if drafter == "feature" and feature_path is None:
+    _require_tokenizer(model_path)
+    loaded = load_model(model_path, int8=int8)  # int8: greedy below is then the int8 model's greedy too
+    if drafter == "feature" and loaded.feature_model is None:
         raise SystemExit(f"{model_path} ships no {FEATURE_DRAFTER_SUBDIR}/: use --drafter heads")
-    if drafter in ("feature", "best") and feature_path is not None:
-        feature = FeatureDrafterModel.from_pretrained(feature_path, base_model=base).eval()
-        assistant, block_size, name = feature.drafter(), feature.feature_config.block_size, "feature drafter"
-    else:
-        assistant, block_size, name = model.drafter(), model.blockwise_config.block_size, "proposal heads"
+    chosen = "feature" if drafter in ("feature", "best") and loaded.feature_model is not None else "heads"
+    if chosen == "heads" and loaded.heads_model is None:
+        raise SystemExit(f"{model_path} has no proposal heads and ships no {FEATURE_DRAFTER_SUBDIR}/ to draft with")
+    assistant = build_drafter(chosen, loaded)
+    name = "feature drafter" if chosen == "feature" else "proposal heads"
     precision = "int8" if int8 else "fp32"
     compile = compile and not int8
     engine = "compiled engine" if compile else "eager"
     print(
-        f"model: {model_path} ({name}, k={block_size}, {precision}, {engine}), {torch.get_num_threads()} threads, "
-        "batch 1"
+        f"model: {model_path} ({name}, k={assistant.block_size}, {precision}, {engine}), "
+        f"{torch.get_num_threads()} threads, batch 1, {_limit_words(loaded.base, max_new_tokens)}"
     )
-    batches = [dict(tokenizer([sentence], return_tensors="pt")) for sentence in sentences]
-    return _side_by_side(base, assistant, tokenizer, batches, sentences, repeats, max_new_tokens, compile)
+    batches = [dict(loaded.tokenizer([sentence], return_tensors="pt")) for sentence in sentences]
+    return _side_by_side(loaded, assistant, batches, sentences, repeats, max_new_tokens, compile)
 
 
 def run_asr_demo(
@@ -132,34 +128,50 @@ def run_asr_demo(
     transformers_logging.set_verbosity_error()
     if threads:
         torch.set_num_threads(threads)
-    hf.check_local_path(model_path, "--model")
-    base = hf.load_encoder_decoder(model_path, dtype=torch.float32).eval()
-    if hf.encoder_input_name(base) == "input_ids":
+    _require_tokenizer(model_path)
+    loaded = load_model(model_path)
+    base, extractor = loaded.base, loaded.feature_extractor
+    if extractor is None:
         raise SystemExit(f"{model_path} is a text model: run the demo without --task asr")
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    feature_extractor = AutoFeatureExtractor.from_pretrained(model_path)
-    feature_path = shipped_drafter_path(model_path, FEATURE_DRAFTER_SUBDIR, FEATURE_DRAFTER_CONFIG_NAME)
-    if feature_path is None:
+    if loaded.feature_model is None:
         raise SystemExit(f"{model_path} ships no {FEATURE_DRAFTER_SUBDIR}/ to draft with")
-    feature = FeatureDrafterModel.from_pretrained(feature_path, base_model=base).eval()
+    assistant = build_drafter("feature", loaded)
     examples = read_audio_folder(audio_folder or os.path.join(model_path, "clips"))
-    audio = [read_wav(example.path, feature_extractor.sampling_rate) for example in examples]
-    batches = make_batches(audio, 1, tokenizer, base.config.pad_token_id, base.device, feature_extractor)
+    audio = [read_wav(example.path, extractor.sampling_rate) for example in examples]
+    batches = make_batches(audio, 1, loaded.tokenizer, base.config.pad_token_id, base.device, extractor)
     labels = [example.path.name + (f" ({example.transcript})" if example.transcript else "") for example in examples]
     print(
-        f"model: {model_path} (feature drafter, k={feature.feature_config.block_size}, fp32, "
-        f"{'compiled engine' if compile else 'eager'}), {torch.get_num_threads()} threads, batch 1"
+        f"model: {model_path} (feature drafter, k={assistant.block_size}, fp32, "
+        f"{'compiled engine' if compile else 'eager'}), {torch.get_num_threads()} threads, batch 1, "
+        f"{_limit_words(base, max_new_tokens)}"
     )
-    return _side_by_side(base, feature.drafter(), tokenizer, batches, labels, repeats, max_new_tokens, compile)
+    return _side_by_side(loaded, assistant, batches, labels, repeats, max_new_tokens, compile)
+
+
+def _require_tokenizer(model_path: str) -> None:
+    """Exits with the reason when a local model directory holds no tokenizer (transformers' own error names none)."""
+    try:
+        check_tokenizer(model_path)
+    except ValueError as error:
+        raise SystemExit(str(error)) from error
+
+
+def _limit_words(base: torch.nn.Module, max_new_tokens: int | None) -> str:
+    """The length limit of a run in words: given, or the checkpoint's default and where it comes from."""
+    if max_new_tokens is not None:
+        return f"max_new_tokens {max_new_tokens} (--max-new-tokens)"
+    limit, source = default_max_new_tokens(base)
+    return f"max_new_tokens {limit} ({source})"
 
 
 def _side_by_side(
-    base, assistant, tokenizer, batches: list[dict], labels: Sequence[str], repeats: int, max_new_tokens: int | None,
-    compile: bool,
+    loaded: LoadedModel, assistant, batches: list[dict], labels: Sequence[str], repeats: int,
+    max_new_tokens: int | None, compile: bool,
 ) -> int:  # fmt: skip
     """Greedy and blockwise decoding of each one-row batch through the measurement harness; prints each pair of
     outputs under its label, whether they are identical, the mean accepted block and the speedup.
     `max_new_tokens=None` keeps the model's generation config's limit."""
+    base, tokenizer = loaded.base, loaded.tokenizer
     limit = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
     runners = {
         "greedy": lambda batch, _: base.generate(
@@ -171,11 +183,13 @@ def _side_by_side(
         ),
     }  # fmt: skip
     if compile:
-        seconds = compile_modes({"blockwise_compiled": runners["blockwise"]}, batches[0])["blockwise_compiled"]
         print(
-            f"compiled the decoder's verification forward with torch.compile (inductor, weights frozen and "
-            f"prepacked) in {seconds:.1f}s, before timing"
+            "compiling the decoder's verification forward with torch.compile before timing (one-time; 20-40 s on "
+            "the shipped model, --no-compile skips it) ...",
+            flush=True,
         )
+        seconds = compile_modes({"blockwise": runners["blockwise"]}, batches[0], {"blockwise"})["blockwise"]
+        print(f"compiled (inductor, weights frozen and prepacked) in {seconds:.1f}s")
     results = measure(
         runners, batches, pad_token_id=base.config.pad_token_id, reference="greedy", tokenizer=tokenizer,
         repeats=repeats, progress=False, count_forwards_of=[base],
@@ -206,12 +220,12 @@ MODEL_CONFIG_ORACLE_BLOCK_SIZES = (2, 3, 4, 5, 6, 8)
 def _sources(args: argparse.Namespace, setup: BenchSetup) -> tuple[list, list[str] | None]:
     """What the bench decodes, with references when there are some: the audio of `--audio-folder` (speech models),
     the sentences of `--source-file`, or the demo's examples."""
-    if (setup.feature_extractor is None) != (args.audio_folder is None):
+    if (setup.loaded.feature_extractor is None) != (args.audio_folder is None):
         needs = "--audio-folder" if args.audio_folder is None else "--source-file (text)"
-        raise SystemExit(f"the encoder of {args.model} reads {hf.encoder_input_name(setup.base)}: pass {needs}")
+        raise SystemExit(f"the encoder of {args.model} reads {hf.encoder_input_name(setup.loaded.base)}: pass {needs}")
     if args.audio_folder:
         examples = read_audio_folder(args.audio_folder)[: args.sentences]
-        rate = setup.feature_extractor.sampling_rate
+        rate = setup.loaded.feature_extractor.sampling_rate
         sources = [read_wav(example.path, rate) for example in examples]
         transcripts = [example.transcript for example in examples]
         return sources, None if None in transcripts else transcripts
@@ -232,7 +246,7 @@ def _model_config_setup(args: argparse.Namespace) -> tuple[BenchSetup, list[list
     """`--model-config`: a randomly initialised model of that shape and random source ids (no tokenizer)."""
     base = build_model(args.model_config, tiny=args.tiny_model_config)
     sources = random_sources(base.config, args.sentences or MODEL_CONFIG_SENTENCES, MODEL_CONFIG_SOURCE_LENGTH)
-    setup = BenchSetup(base=base, tokenizer=None, max_new_tokens=args.max_new_tokens or MODEL_CONFIG_MAX_NEW_TOKENS)
+    setup = BenchSetup(LoadedModel(base=base, tokenizer=None), args.max_new_tokens or MODEL_CONFIG_MAX_NEW_TOKENS)
     return setup, sources
 
 
@@ -242,20 +256,15 @@ def _bench_setup(args: argparse.Namespace) -> tuple[BenchSetup, list, list[str] 
         setup, sources = _model_config_setup(args)
         references = None
     else:
-        setup = load_for_bench(
-            args.model,
-            args.assistant_model,
-            args.max_new_tokens or 128,
-            args.iad_max_draft_length,
-            args.nar_drafter,
-            args.feature_drafter,
-            args.sequential_heads,
-        )
+        _require_tokenizer(args.model)
+        loaded = load_model(
+            args.model, assistant_path=args.assistant_model, nar_drafter_path=args.nar_drafter,
+            feature_drafter_path=args.feature_drafter, sequential_heads_path=args.sequential_heads,
+        )  # fmt: skip
+        # the checkpoint's generation_config by default, as model.generate() without arguments
+        limit = args.max_new_tokens or default_max_new_tokens(loaded.base)[0]
+        setup = BenchSetup(loaded, limit, iad_max_draft_length=args.iad_max_draft_length)
         sources, references = _sources(args, setup)
-        if args.max_new_tokens is None and setup.feature_extractor is not None:
-            # speech decoders hold few positions (Whisper's 448 including its prompt): the model's own limit
-            limit = setup.base.generation_config.max_new_tokens or setup.max_new_tokens
-            setup = dataclasses.replace(setup, max_new_tokens=limit)
     oracle_block_sizes = args.oracle_block_sizes or (
         MODEL_CONFIG_ORACLE_BLOCK_SIZES if args.model_config else DEFAULT_ORACLE_BLOCK_SIZES
     )
@@ -304,13 +313,23 @@ def run_bench_command(args: argparse.Namespace) -> int:
         "threads": torch.get_num_threads(),
         "batch_sizes": sorted({result.batch_size for result in results}),
         "max_new_tokens": setup.max_new_tokens,
-        "device": str(next(setup.base.parameters()).device),
+        "max_new_tokens_from": _limit_source(args, setup),
+        "device": str(next(setup.loaded.base.parameters()).device),
     }
     written = write_report(results, args.out, _report_header(args, settings), settings)
     with open(written[1], encoding="utf-8") as report:
         print(report.read())
     print(f"report written to {os.path.abspath(args.out)}: " + ", ".join(os.path.basename(path) for path in written))
     return 0
+
+
+def _limit_source(args: argparse.Namespace, setup: BenchSetup) -> str:
+    """Where the bench's length limit comes from, for the report's settings."""
+    if args.max_new_tokens is not None:
+        return "--max-new-tokens"
+    if args.model_config:
+        return f"the --model-config default ({MODEL_CONFIG_MAX_NEW_TOKENS})"
+    return default_max_new_tokens(setup.loaded.base)[1]
 
 
 def _report_header(args: argparse.Namespace, settings: dict) -> str:
@@ -331,8 +350,9 @@ def write_cost_curve(
 ) -> list[tuple[int, float]]:
     """Times the decoder cost curve on `sentence` (text, or token ids without a tokenizer) for 1..`max_tokens`
     tokens; writes `cost_curve.json` and `cost_curve.png` into `out_dir`."""
-    curve = decoder_cost_curve(setup.base, setup.tokenizer, sentence, max_tokens=max_tokens)
-    compiled = decoder_cost_curve(setup.base, setup.tokenizer, sentence, max_tokens=max_tokens, compiled=True)
+    base, tokenizer = setup.loaded.base, setup.loaded.tokenizer
+    curve = decoder_cost_curve(base, tokenizer, sentence, max_tokens=max_tokens)
+    compiled = decoder_cost_curve(base, tokenizer, sentence, max_tokens=max_tokens, compiled=True)
     os.makedirs(out_dir, exist_ok=True)
     report = {
         "sentence": sentence, "threads": torch.get_num_threads(), "ms_per_call": {n: 1000 * t for n, t in curve},
@@ -346,6 +366,37 @@ def write_cost_curve(
     return curve
 
 
+MAX_NEW_TOKENS_HELP = (
+    "length limit of each output; default: the checkpoint's generation_config, as model.generate() without "
+    "arguments (its max_new_tokens: 128 for the shipped model; printed at the start of the run)"
+)
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: an int of at least 1 (0 or a negative count would be ignored or mean nothing)."""
+    try:
+        value = int(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from error
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _json_object(text: str) -> dict:
+    """An argparse type: a JSON object (generate's keyword arguments by name)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error}); e.g. '{{\"no_repeat_ngram_size\": 3}}'") from error
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object of generate arguments by name, got a {type(value).__name__}: "
+            "e.g. '{\"no_repeat_ngram_size\": 3}'"
+        )
+    return value
+
+
 def _model_config_name(name: str) -> str:
     try:
         return resolve_name(name)
@@ -354,6 +405,13 @@ def _model_config_name(name: str) -> str:
 
 
 def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
+    _add_bench_source_arguments(bench)
+    _add_bench_mode_arguments(bench)
+    _add_bench_run_arguments(bench)
+
+
+def _add_bench_source_arguments(bench: argparse.ArgumentParser) -> None:
+    """What `bench` decodes with and what it decodes."""
     bench.add_argument("--model", default=SHIPPED_MODEL, help="seq2seq model directory, with or without heads")
     bench.add_argument(
         "--model-config",
@@ -376,11 +434,19 @@ def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     bench.add_argument("--reference-file", default=None, help="references for BLEU, line by line")
     bench.add_argument(
-        "--sentences", type=int, default=None, help=f"use the first N sources (--model-config: N random sources, "
-        f"default {MODEL_CONFIG_SENTENCES})"
+        "--sentences", type=_positive_int, default=None,
+        help=f"use the first N sources (--model-config: N random sources, default {MODEL_CONFIG_SENTENCES})",
     )  # fmt: skip
+
+
+def _add_bench_mode_arguments(bench: argparse.ArgumentParser) -> None:
+    """How `bench` decodes (modes, batch sizes, drafters)."""
     bench.add_argument(
-        "--batch-sizes", type=int, nargs="+", default=[1, 16], help="those larger than the sentences are skipped"
+        "--batch-sizes",
+        type=_positive_int,
+        nargs="+",
+        default=[1, 16],
+        help="those larger than the sentences are skipped",
     )
     bench.add_argument(
         "--modes",
@@ -397,9 +463,15 @@ def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         help="the CPU fast path step by step: " + ", then ".join(FAST_PATH_MODES) + " (int8 needs a CPU)",
     )
     bench.add_argument(
-        "--max-new-tokens", type=int, default=None, help=f"default 128 (--model-config: {MODEL_CONFIG_MAX_NEW_TOKENS})"
+        "--max-new-tokens",
+        type=_positive_int,
+        default=None,
+        help=f"length limit of every mode; default: the checkpoint's generation_config, as model.generate() without "
+        f"arguments (128 for the shipped model; --model-config: {MODEL_CONFIG_MAX_NEW_TOKENS})",
     )
-    bench.add_argument("--iad-max-draft-length", type=int, default=32, help="source tokens IAD drafts per step")
+    bench.add_argument(
+        "--iad-max-draft-length", type=_positive_int, default=32, help="source tokens IAD drafts per step"
+    )
     bench.add_argument(
         "--nar-drafter",
         default=None,
@@ -411,34 +483,42 @@ def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--sequential-heads", default=None, help="sequential heads directory (default: <model>/sequential-heads)"
     )
-    bench.add_argument("--gad-block-size", type=int, default=None, help="tokens per GAD step (default: trained)")
-    bench.add_argument("--gad-top-beta", type=int, default=3, help="GAD++ top-beta")
+    bench.add_argument(
+        "--gad-block-size", type=_positive_int, default=None, help="tokens per GAD step (default: trained)"
+    )
+    bench.add_argument("--gad-top-beta", type=_positive_int, default=3, help="GAD++ top-beta")
     bench.add_argument("--gad-tolerance", type=float, default=1.0, help="GAD++ log-likelihood tolerance tau")
     bench.add_argument(
         "--oracle-block-sizes",
         "--oracle-block-size",
         dest="oracle_block_sizes",
-        type=int,
+        type=_positive_int,
         nargs="+",
         default=None,
         help="block sizes k of the oracle mode (drafts = greedy's own output), one row oracle_k{k} each; default "
         f"{' '.join(map(str, DEFAULT_ORACLE_BLOCK_SIZES))} (--model-config: "
         f"{' '.join(map(str, MODEL_CONFIG_ORACLE_BLOCK_SIZES))})",
     )
-    bench.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 = Devlin's words/s)")
+
+
+def _add_bench_run_arguments(bench: argparse.ArgumentParser) -> None:
+    """How `bench` runs (threads, a quick run) and what it writes (reports, the cost curve)."""
+    bench.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (1 = Devlin's words/s)")
     bench.add_argument("--out", default="bench", help="directory for bench.json, bench.md, bench.png")
     bench.add_argument("--quick", action="store_true", help="at most 16 sentences: a run of about a minute")
     bench.add_argument("--cost-curve", action="store_true", help="also time one decoder call for 1..32 tokens")
     bench.add_argument(
-        "--cost-curve-max-tokens", type=int, default=None, help="cost curve up to N tokens (default 32; "
+        "--cost-curve-max-tokens", type=_positive_int, default=None, help="cost curve up to N tokens (default 32; "
         "--model-config: the largest oracle block size)"
     )  # fmt: skip
 
 
 def _mode_name(mode: str) -> str:
-    if is_known_mode(mode):
-        return mode
-    raise argparse.ArgumentTypeError(f"unknown mode {mode!r}")
+    try:
+        Mode.parse(mode)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"unknown mode {mode!r}") from error
+    return mode
 
 
 def _check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -471,12 +551,14 @@ def _add_generate_arguments(command: argparse.ArgumentParser) -> None:
         help="auto: the fastest exact choice measured here: at batch 1 composite (else feature, heads, input_copy, "
         "none, by what the model has), above batch 1 none (the loop alone)",
     )  # fmt: skip
-    command.add_argument("--batch-size", type=int, default=16, help="most rows per batch")
-    command.add_argument("--max-batch-tokens", type=int, default=None, help="most padded source tokens per batch")
-    command.add_argument("--max-new-tokens", type=int, default=256, help="length limit of each output")
+    command.add_argument("--batch-size", type=_positive_int, default=16, help="most rows per batch")
     command.add_argument(
-        "--generate-kwargs", type=json.loads, default=None,
-        help='more generate arguments, as JSON: \'{"no_repeat_ngram_size": 3}\'',
+        "--max-batch-tokens", type=_positive_int, default=None, help="most padded source tokens per batch"
+    )
+    command.add_argument("--max-new-tokens", type=_positive_int, default=None, help=MAX_NEW_TOKENS_HELP)
+    command.add_argument(
+        "--generate-kwargs", type=_json_object, default=None,
+        help='more generate arguments, as a JSON object: \'{"no_repeat_ngram_size": 3}\'',
     )  # fmt: skip
     command.add_argument("--compile", action="store_true", help="verify through the compiled engine")
     command.add_argument("--format", choices=("text", "jsonl"), default=None, help="default: from the file name")
@@ -486,26 +568,34 @@ def _add_generate_arguments(command: argparse.ArgumentParser) -> None:
         help="sources longer than the model's positions: fail, or skip with a warning (empty output line)",
     )  # fmt: skip
     command.add_argument(
-        "--chunk-size", type=int, default=1024, help="lines sorted, written and resumed together; the unit of sharding"
+        "--chunk-size", type=_positive_int, default=1024,
+        help="lines sorted, written and resumed together; the unit of sharding",
+    )  # fmt: skip
+    command.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier output instead of resuming it (never the input)"
     )
-    command.add_argument("--overwrite", action="store_true", help="replace the output instead of resuming it")
-    command.add_argument("--threads", type=int, default=None, help="torch CPU threads (per process)")
+    command.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (per process)")
     command.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def run_generate_command(args: argparse.Namespace) -> int:
-    """`hf-blockwise generate`: [`generate_corpus`] with the command's flags; prints the run's figures."""
+def run_generate_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`hf-blockwise generate`: [`generate_corpus`] with the command's flags; prints the settings it runs with
+    (the length limit and where it comes from) and, at the end, the run's figures."""
+    _check_generate_paths(parser, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     transformers_logging.set_verbosity_error()
     transformers_logging.disable_progress_bar()  # loading bars would interleave with the job's own
     try:
-        report = generate_corpus(
-            args.model, args.input, args.output, column=args.column, split=args.split, drafter=args.drafter,
-            batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens, max_new_tokens=args.max_new_tokens,
-            generate_kwargs=args.generate_kwargs, compile=args.compile, output_format=args.format, stats=args.stats,
-            on_long=args.on_long, chunk_size=args.chunk_size, overwrite=args.overwrite, progress=not args.no_progress,
+        options = CorpusOptions(
+            drafter=args.drafter, batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens,
+            generate_kwargs=merged_generate_kwargs(args.max_new_tokens, args.generate_kwargs), compile=args.compile,
+            output_format=args.format, stats=args.stats, on_long=args.on_long, chunk_size=args.chunk_size,
         )  # fmt: skip
+        job = prepare_job(args.model, args.input, args.output, column=args.column, split=args.split, options=options)
+        if job.state.is_main_process:
+            print(_job_summary(job), flush=True)
+        report = run_job(job, overwrite=args.overwrite, progress=not args.no_progress)
     except ValueError as error:
         raise SystemExit(f"hf-blockwise generate: {error}") from error
     print(
@@ -516,17 +606,76 @@ def run_generate_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_generate_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors (exit status 2) before anything loads: an output that cannot be written or that is the input or
+    a model file, and a model directory without a tokenizer."""
+    output = Path(args.output)
+    try:
+        check_output_location(output)
+        check_output_is_not_a_source(output, args.input, args.model)
+        check_tokenizer(args.model)
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def _job_summary(job: CorpusJob) -> str:
+    settings = job.settings
+    budget = f", {settings.max_batch_tokens} source tokens" if settings.max_batch_tokens else ""
+    return (
+        f"generate: {settings.num_lines} sources from {settings.input} with {settings.model}, drafter "
+        f"{settings.drafter}, {length_limit(job)}, at most {settings.batch_size} rows{budget} per batch"
+        + (f", generate arguments {others}" if (others := _other_arguments(settings.generate_kwargs)) else "")
+    )
+
+
+def _other_arguments(generate_kwargs: dict) -> dict:
+    return {key: value for key, value in generate_kwargs.items() if key != "max_new_tokens"}
+
+
+def run_demo_command(demo: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`hf-blockwise demo`: translation (the shipped Multi30k model by default) or, with `--task asr`, speech
+    recognition (the shipped speech model by default)."""
+    if args.task == "asr":
+        if args.sentences or args.int8 or args.drafter != "best":
+            demo.error("--task asr takes no sentences, --int8 or --drafter (it drafts with the feature drafter)")
+        model = SHIPPED_SPEECH_MODEL if args.model == SHIPPED_MODEL else args.model
+        if not os.path.isdir(model):
+            demo.error(
+                f"no speech model at {model}: pass --model DIR with a speech encoder-decoder, its processor and a "
+                "feature-drafter/ subfolder (and --audio-folder DIR unless DIR/clips holds the audio)"
+            )
+        return run_asr_demo(
+            model, args.audio_folder, args.repeats, args.threads, args.max_new_tokens, compile=not args.no_compile
+        )
+    if args.audio_folder:
+        demo.error("--audio-folder needs --task asr")
+    sentences = args.sentences or DEMO_SENTENCES
+    return run_demo(
+        args.model,
+        sentences,
+        args.repeats,
+        args.threads,
+        args.max_new_tokens,
+        args.int8,
+        args.drafter,
+        compile=not args.no_compile,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The `hf-blockwise` console script: `demo`, `bench` and `generate`."""
     parser = argparse.ArgumentParser(prog="hf-blockwise", description="Exact blockwise parallel decoding.")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="translate a few sentences, greedy and blockwise side by side")
     demo.add_argument("--model", default=SHIPPED_MODEL, help="directory with base model, heads and tokenizer")
-    demo.add_argument("--repeats", type=int, default=5, help="timing runs per sentence (median is reported)")
+    demo.add_argument("--repeats", type=_positive_int, default=5, help="timing runs per sentence (median is reported)")
     demo.add_argument(
-        "--max-new-tokens", type=int, default=None, help="default: 128 (translation), the model's own (asr)"
+        "--max-new-tokens",
+        type=_positive_int,
+        default=None,
+        help="length limit; default: the checkpoint's generation_config, as model.generate() without arguments",
     )
-    demo.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    demo.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     demo.add_argument("--int8", action="store_true", help="quantize the base to int8 first (CPU; both modes)")
     demo.add_argument(
         "--drafter", choices=("best", "feature", "heads"), default="best",
@@ -548,36 +697,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_generate_arguments(generate)
     args = parser.parse_args(argv)
     if args.command == "generate":
-        return run_generate_command(args)
+        return run_generate_command(generate, args)
     if args.command == "bench":
         _check_bench_arguments(bench, args)
         return run_bench_command(args)
-    if args.command == "demo" and args.task == "asr":
-        if args.sentences or args.int8 or args.drafter != "best":
-            demo.error("--task asr takes no sentences, --int8 or --drafter (it drafts with the feature drafter)")
-        model = SHIPPED_SPEECH_MODEL if args.model == SHIPPED_MODEL else args.model
-        if not os.path.isdir(model):
-            demo.error(
-                f"no speech model at {model}: pass --model DIR with a speech encoder-decoder, its processor and a "
-                "feature-drafter/ subfolder (and --audio-folder DIR unless DIR/clips holds the audio)"
-            )
-        return run_asr_demo(
-            model, args.audio_folder, args.repeats, args.threads, args.max_new_tokens, compile=not args.no_compile
-        )
     if args.command == "demo":
-        if args.audio_folder:
-            demo.error("--audio-folder needs --task asr")
-        sentences = args.sentences or DEMO_SENTENCES
-        return run_demo(
-            args.model,
-            sentences,
-            args.repeats,
-            args.threads,
-            args.max_new_tokens or 128,
-            args.int8,
-            args.drafter,
-            compile=not args.no_compile,
-        )
+        return run_demo_command(demo, args)
     return 2
 
 

@@ -24,7 +24,7 @@ from ctranslate2.converters import Converter, TransformersConverter
 from ctranslate2.converters.transformers import BartLoader, MarianMTLoader
 from torch import nn
 
-from hf_blockwise.tools.harness import Batch, Runner
+from hf_blockwise.evaluation.harness import Batch, Runner
 
 
 class PadKeepingMarianLoader(MarianMTLoader):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from transformers import Seq2SeqTrainingArguments
 
-from hf_blockwise.training.common import check_eval_decoding
+from hf_blockwise.training.common import prepare_eval_decoding
 
 HEAD_LOSSES = ("mean", "sampled")
 BASE_TRAINING = ("frozen", "full", "lora")
@@ -56,9 +56,5 @@ class BlockwiseTrainingArguments(Seq2SeqTrainingArguments):
             raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
         if self.base_loss_weight < 0:
             raise ValueError(f"base_loss_weight must be >= 0, got {self.base_loss_weight}")
-        check_eval_decoding(self)
-        # Evaluation decodes for real instead of gathering (batch, length, heads, vocab) logits.
-        self.prediction_loss_only = True
-        if self.label_names is None:
-            self.label_names = ["labels"]
+        prepare_eval_decoding(self)
         super().__post_init__()

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import random
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
-from transformers import AutoModelForSeq2SeqLM
 
-from hf_blockwise.boundary.trainer import TRAINING_ARGS_NAME
-from hf_blockwise.modeling.config import CONFIG_NAME
-from hf_blockwise.modeling.model import ADAPTER_WEIGHTS_NAME, WEIGHTS_NAME, BlockwiseHeadsModel
+from hf_blockwise.boundary.trainer import AdapterCheckpointMixin
+from hf_blockwise.modeling.model import BlockwiseHeadsModel
 from hf_blockwise.training.blockwise_config import BlockwiseTrainingArguments
-from hf_blockwise.training.common import Seq2SeqPadCollator, StepMetricsTrainer
-
-# In a checkpoint written while the base is trained, the base sits beside the heads.
-BASE_IN_CHECKPOINT = "."
+from hf_blockwise.training.common import StepMetricsTrainer, check_trainer_inputs, with_pad_collator
 
 
 def _with_lora(base_model: nn.Module, args: BlockwiseTrainingArguments) -> nn.Module:
@@ -35,7 +28,7 @@ def _with_lora(base_model: nn.Module, args: BlockwiseTrainingArguments) -> nn.Mo
     return get_peft_model(base_model, config)
 
 
-class BlockwiseTrainer(StepMetricsTrainer):
+class BlockwiseTrainer(AdapterCheckpointMixin, StepMetricsTrainer):
     """Trains the heads of a [`BlockwiseHeadsModel`] with the loss of Stern et al. §6.
 
     - `head_loss="mean"` or `"sampled"` (one head per minibatch); per-head loss and top-1 accuracy are logged
@@ -48,26 +41,16 @@ class BlockwiseTrainer(StepMetricsTrainer):
     """
 
     def __init__(self, model: BlockwiseHeadsModel, args: BlockwiseTrainingArguments, **kwargs: Any) -> None:
-        if not isinstance(model, BlockwiseHeadsModel):
-            raise TypeError(f"BlockwiseTrainer trains a BlockwiseHeadsModel, got {type(model).__name__}")
-        if not isinstance(args, BlockwiseTrainingArguments):
-            raise TypeError(f"BlockwiseTrainer takes BlockwiseTrainingArguments, got {type(args).__name__}")
+        check_trainer_inputs("BlockwiseTrainer", model, BlockwiseHeadsModel, args, BlockwiseTrainingArguments)
         model.base_model.requires_grad_(args.base_training == "full")
         if args.base_training == "lora":
             model.base_model = _with_lora(model.base_model, args)
         model.heads.requires_grad_(True)
-        if "data_collator" not in kwargs or kwargs["data_collator"] is None:
-            kwargs["data_collator"] = Seq2SeqPadCollator(model.base_model.config.pad_token_id)
+        kwargs = with_pad_collator(kwargs, model.base_model.config.pad_token_id)
         super().__init__(model=model, args=args, **kwargs)
         self._head_rng = random.Random(args.seed)
 
-    def compute_loss(
-        self,
-        model: nn.Module,
-        inputs: dict[str, torch.Tensor],
-        return_outputs: bool = False,
-        num_items_in_batch: torch.Tensor | int | None = None,
-    ):
+    def training_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
         outputs = model(**inputs)
         head_losses = outputs.head_losses  # (k-1,)
         if self.args.head_loss == "sampled" and model.training:
@@ -77,7 +60,7 @@ class BlockwiseTrainer(StepMetricsTrainer):
         if self.args.base_training != "frozen":
             loss = loss + self.args.base_loss_weight * outputs.base_loss
         self._record(outputs, "train" if model.training else "eval")
-        return (loss, outputs) if return_outputs else loss
+        return loss, outputs
 
     @torch.no_grad()
     def _record(self, outputs: Any, split: str) -> None:
@@ -89,33 +72,9 @@ class BlockwiseTrainer(StepMetricsTrainer):
         if outputs.base_loss is not None:
             self.step_metrics.add(split, "base_loss", float(outputs.base_loss))
 
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if not self.args.should_save:
-            return
-        model: BlockwiseHeadsModel = self.accelerator.unwrap_model(self.model)
-        if self.args.base_training == "full":
-            model.base_model.save_pretrained(output_dir)
-            model.save_pretrained(output_dir, base_model_name_or_path=BASE_IN_CHECKPOINT)
-        else:
-            model.save_pretrained(output_dir)
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+    def save_adapter(self, model: BlockwiseHeadsModel, output_dir: str) -> None:
+        """Checkpoints hold the heads (and the LoRA adapter, or with `base_training="full"` the base beside them)."""
+        model.save_pretrained(output_dir, include_base=self.args.base_training == "full")
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        model = self.accelerator.unwrap_model(self.model if model is None else model)
-        if not os.path.isfile(os.path.join(resume_from_checkpoint, CONFIG_NAME)):
-            raise ValueError(f"{resume_from_checkpoint} is not a BlockwiseTrainer checkpoint (no {CONFIG_NAME})")
-        model.heads.load_state_dict(load_file(os.path.join(resume_from_checkpoint, WEIGHTS_NAME)))
-        if self.args.base_training == "lora":
-            from peft import set_peft_model_state_dict
-
-            adapter = load_file(os.path.join(resume_from_checkpoint, ADAPTER_WEIGHTS_NAME))
-            set_peft_model_state_dict(model.base_model, adapter)
-        if self.args.base_training == "full":
-            trained_base = AutoModelForSeq2SeqLM.from_pretrained(resume_from_checkpoint)
-            model.base_model.load_state_dict(trained_base.state_dict())
-
-    def _load_best_model(self) -> None:
-        self._load_from_checkpoint(self.state.best_model_checkpoint)
+    def load_adapter(self, model: BlockwiseHeadsModel, checkpoint_dir: str) -> None:
+        model.load_weights(checkpoint_dir, include_base=self.args.base_training == "full")

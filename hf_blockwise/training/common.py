@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
-from hf_blockwise.tools.harness import measure
+from hf_blockwise.evaluation.harness import measure
 
 
 def check_eval_decoding(args: Seq2SeqTrainingArguments) -> None:
@@ -21,6 +21,17 @@ def check_eval_decoding(args: Seq2SeqTrainingArguments) -> None:
             raise ValueError(f"{name} must be >= 1, got {getattr(args, name)}")
     if args.eval_decoding_samples is not None and args.eval_decoding_samples < 1:
         raise ValueError(f"eval_decoding_samples must be >= 1 or None, got {args.eval_decoding_samples}")
+
+
+def prepare_eval_decoding(args: Seq2SeqTrainingArguments) -> None:
+    """Checks the `eval_*` decoding fields ([`check_eval_decoding`]) and sets what evaluation by decoding needs:
+    `prediction_loss_only` (evaluation decodes for real instead of gathering the logits: (batch, length, heads,
+    vocab) for heads) and `label_names`, by default `["labels"]`. Called by each `__post_init__` before the
+    `Seq2SeqTrainingArguments` one."""
+    check_eval_decoding(args)
+    args.prediction_loss_only = True
+    if args.label_names is None:
+        args.label_names = ["labels"]
 
 
 class Seq2SeqPadCollator:
@@ -41,6 +52,21 @@ class Seq2SeqPadCollator:
             pad("attention_mask", 0) if "attention_mask" in features[0] else (batch["input_ids"] != self.pad_token_id)
         ).long()
         return batch
+
+
+def check_trainer_inputs(trainer: str, model: Any, model_class: type, args: Any, args_class: type) -> None:
+    """`TypeError`s naming what `trainer` trains and takes when it is given another model or arguments class."""
+    if not isinstance(model, model_class):
+        raise TypeError(f"{trainer} trains a {model_class.__name__}, got {type(model).__name__}")
+    if not isinstance(args, args_class):
+        raise TypeError(f"{trainer} takes {args_class.__name__}, got {type(args).__name__}")
+
+
+def with_pad_collator(trainer_kwargs: dict[str, Any], pad_token_id: int) -> dict[str, Any]:
+    """A trainer's keyword arguments with `data_collator`, when absent or `None`, set to [`Seq2SeqPadCollator`]."""
+    if trainer_kwargs.get("data_collator") is not None:
+        return trainer_kwargs
+    return {**trainer_kwargs, "data_collator": Seq2SeqPadCollator(pad_token_id)}
 
 
 class StepMetrics:
@@ -147,6 +173,21 @@ class StepMetricsTrainer(Seq2SeqTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.step_metrics = StepMetrics()
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ):
+        """transformers' loss hook, once for this package's trainers: [`training_loss`], with the outputs when asked."""
+        loss, outputs = self.training_loss(model, inputs)
+        return (loss, outputs) if return_outputs else loss
+
+    def training_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        """The loss of a batch and the model's outputs; each trainer defines it (and records its step metrics)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement training_loss(model, inputs)")
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         logs.update(self.step_metrics.pop_means(logs))

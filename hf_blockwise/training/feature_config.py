@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from transformers import Seq2SeqTrainingArguments
 
-from hf_blockwise.training.common import check_eval_decoding
+from hf_blockwise.training.common import prepare_eval_decoding
 
 
 @dataclass
@@ -35,8 +35,5 @@ class FeatureDrafterTrainingArguments(Seq2SeqTrainingArguments):
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.feature_loss_weight == 0 and self.token_loss_weight == 0:
             raise ValueError("feature_loss_weight and token_loss_weight cannot both be 0")
-        check_eval_decoding(self)
-        self.prediction_loss_only = True
-        if self.label_names is None:
-            self.label_names = ["labels"]
+        prepare_eval_decoding(self)
         super().__post_init__()

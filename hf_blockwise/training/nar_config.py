@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from transformers import Seq2SeqTrainingArguments
 
-from hf_blockwise.training.common import check_eval_decoding
+from hf_blockwise.training.common import prepare_eval_decoding
 
 
 @dataclass
@@ -38,11 +38,7 @@ class NARDrafterTrainingArguments(Seq2SeqTrainingArguments):
     def __post_init__(self) -> None:
         if self.prefixes_per_example < 1:
             raise ValueError(f"prefixes_per_example must be >= 1, got {self.prefixes_per_example}")
-        check_eval_decoding(self)
-        # evaluation decodes for real (mean accepted block against the verifier) instead of gathering logits
-        self.prediction_loss_only = True
-        if self.label_names is None:
-            self.label_names = ["labels"]
+        prepare_eval_decoding(self)
         # compute_loss, not the model, consumes `labels` and builds the decoder inputs; pass columns through
         self.remove_unused_columns = False
         super().__post_init__()

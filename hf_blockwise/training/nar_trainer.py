@@ -1,4 +1,4 @@
-"""`NARDrafterTrainer`: trains a [`NonAutoregressiveDrafter`] with transformers' `Seq2SeqTrainer` (Ge et al. §3.2.1)."""
+"""`NARDrafterTrainer`: trains a [`NARDrafterModel`] with transformers' `Seq2SeqTrainer` (Ge et al. §3.2.1)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,15 @@ import torch
 from torch import nn
 
 from hf_blockwise import boundary as hf
-from hf_blockwise.drafters.nar import NonAutoregressiveDrafter
+from hf_blockwise.boundary.trainer import AdapterCheckpointMixin
 from hf_blockwise.generation.loop import blockwise_generate
-from hf_blockwise.training.common import Seq2SeqPadCollator, StepMetricsTrainer, decode_for_evaluation
+from hf_blockwise.modeling.nar_model import NARDrafterModel
+from hf_blockwise.training.common import (
+    StepMetricsTrainer,
+    check_trainer_inputs,
+    decode_for_evaluation,
+    with_pad_collator,
+)
 from hf_blockwise.training.nar_config import NARDrafterTrainingArguments
 
 
@@ -57,7 +63,7 @@ def sample_draft_rows(
     return decoder_input_ids, draft_positions, draft_labels
 
 
-class NARDrafterTrainer(StepMetricsTrainer):
+class NARDrafterTrainer(AdapterCheckpointMixin, StepMetricsTrainer):
     """Trains a non-autoregressive drafter to predict the next `block_size - 1` target tokens after a random prefix.
 
     Datasets hold `input_ids` (source) and `labels` (the full target, end-of-sequence included); each step
@@ -70,42 +76,32 @@ class NARDrafterTrainer(StepMetricsTrainer):
       embeddings and output projection where the architecture shares them with the encoder.
     - Per-draft top-1 accuracy is logged as `draft_{i}_accuracy` (draft i is i tokens after the prefix).
     - Checkpoints hold the drafter model in transformers' format plus `nar_drafter_config.json`, so any
-      checkpoint loads with [`NonAutoregressiveDrafter.from_pretrained`]; `resume_from_checkpoint` works as usual.
+      checkpoint loads with [`NARDrafterModel.from_pretrained`]; `resume_from_checkpoint` works as usual.
     - With `verifier=`, `evaluate` also decodes the evaluation set with the drafter and reports `mean_accepted`.
 
     Args:
-        drafter ([`NonAutoregressiveDrafter`]): its model is trained in place.
+        drafter ([`NARDrafterModel`]): its model is trained in place.
         args ([`NARDrafterTrainingArguments`]).
         verifier (`nn.Module`, *optional*): the model the drafts are for, used by `evaluate` only.
     """
 
     def __init__(
         self,
-        drafter: NonAutoregressiveDrafter,
+        drafter: NARDrafterModel,
         args: NARDrafterTrainingArguments,
         verifier: nn.Module | None = None,
         **kwargs: Any,
     ) -> None:
-        if not isinstance(drafter, NonAutoregressiveDrafter):
-            raise TypeError(f"NARDrafterTrainer trains a NonAutoregressiveDrafter, got {type(drafter).__name__}")
-        if not isinstance(args, NARDrafterTrainingArguments):
-            raise TypeError(f"NARDrafterTrainer takes NARDrafterTrainingArguments, got {type(args).__name__}")
-        if kwargs.get("data_collator") is None:
-            kwargs["data_collator"] = Seq2SeqPadCollator(drafter.model.config.pad_token_id)
+        check_trainer_inputs("NARDrafterTrainer", drafter, NARDrafterModel, args, NARDrafterTrainingArguments)
+        kwargs = with_pad_collator(kwargs, drafter.model.config.pad_token_id)
         if args.freeze_encoder:
             drafter.model.get_encoder().requires_grad_(False)
         super().__init__(model=drafter.model, args=args, **kwargs)
-        self.drafter_config = drafter.config
+        self.drafter_config = drafter.nar_config
         # a BlockwiseHeadsModel's own generate would bring its heads; the drafter is what is evaluated here
         self.verifier = None if verifier is None else hf.unwrap_base(verifier)
 
-    def compute_loss(
-        self,
-        model: nn.Module,
-        inputs: dict[str, torch.Tensor],
-        return_outputs: bool = False,
-        num_items_in_batch: torch.Tensor | int | None = None,
-    ):
+    def training_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
         unwrapped = self.accelerator.unwrap_model(model)
         copies = self.args.prefixes_per_example
         labels = inputs["labels"].repeat_interleave(copies, dim=0)
@@ -123,7 +119,7 @@ class NARDrafterTrainer(StepMetricsTrainer):
         logits = outputs.logits.float()  # (B, D, V)
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), draft_labels.flatten(), ignore_index=-100)
         self._record_accuracy(logits, draft_labels, "train" if model.training else "eval")
-        return (loss, outputs) if return_outputs else loss
+        return loss, outputs
 
     @torch.no_grad()
     def _record_accuracy(self, logits: torch.Tensor, draft_labels: torch.Tensor, split: str) -> None:
@@ -143,7 +139,8 @@ class NARDrafterTrainer(StepMetricsTrainer):
         """Mean accepted block when the verifier decodes (the first `eval_decoding_samples` of) `dataset`."""
         model = self.accelerator.unwrap_model(self.model)
         was_training = model.training
-        drafter = NonAutoregressiveDrafter(model, self.drafter_config, verifier=self.verifier)
+        model.eval()  # dropout would make the drafts random
+        drafter = NARDrafterModel(model, self.drafter_config).drafter(verifier=self.verifier)
         results = decode_for_evaluation(
             self.verifier,
             dataset,
@@ -159,7 +156,8 @@ class NARDrafterTrainer(StepMetricsTrainer):
         model.train(was_training)
         return results["mean_accepted"]
 
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        super()._save(output_dir, state_dict)
-        if self.args.should_save:
-            self.drafter_config.save_pretrained(output_dir if output_dir is not None else self.args.output_dir)
+    def save_adapter(self, model: nn.Module, output_dir: str) -> None:
+        NARDrafterModel(model, self.drafter_config).save_pretrained(output_dir)
+
+    def load_adapter(self, model: nn.Module, checkpoint_dir: str) -> None:
+        NARDrafterModel(model, self.drafter_config).load_weights(checkpoint_dir)

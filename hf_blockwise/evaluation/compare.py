@@ -1,8 +1,8 @@
 """Measuring a drafter against the base model's own greedy `generate`, in the same run.
 
 Used by the training recipes: each batch is decoded greedily and blockwise back to back by the measurement
-harness (`tools/harness.py`, which the benchmark, the demo and the trainers' evaluation use too), so both see the
-same machine state, and the result says how often the outputs were identical (generated tokens equal), the mean
+harness (`evaluation/harness.py`, which the benchmark, the demo and the trainers' evaluation use too), so both see
+the same machine state, and the result says how often the outputs were identical (generated tokens equal), the mean
 accepted block, BLEU and the wall-clock ratio.
 """
 
@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from hf_blockwise import boundary as hf
+from hf_blockwise.evaluation.harness import ModeResult, measure
 from hf_blockwise.generation.loop import blockwise_generate
-from hf_blockwise.tools.harness import ModeResult, measure
 
 
 @dataclass

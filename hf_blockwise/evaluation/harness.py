@@ -1,7 +1,7 @@
 """One measurement harness: these modes on these batches — time them, compare them with a reference mode, score them.
 
 Every loop of this package that times or compares decoding runs through [`measure`]: the benchmark
-(`tools/bench.py`), [`compare_to_greedy`] (`tools/evaluation.py`), `hf-blockwise demo` (`tools/cli.py`) and the
+(`tools/bench/`), [`compare_to_greedy`] (`evaluation/compare.py`), `hf-blockwise demo` (`tools/cli.py`) and the
 trainers' evaluation decode (`training/common.py`). And one function, [`same_output`], says when two outputs are
 identical: their *generated* tokens are equal, i.e. position 0 (the decoder start token, which is not generated
 and is the pad token in Marian and T5) and every pad token are left out before comparing.
@@ -14,8 +14,8 @@ How [`measure`] runs:
 - the first batch is decoded once in every mode before timing starts (`warmup`): first calls pay one-off
   allocation costs;
 - decoder calls are counted by a forward hook on the decoder of each model in `count_forwards_of`, whatever the
-  mode (transformers' generation modes report none themselves), plus the compiled calls of its engine, which run
-  no hooks;
+  mode (transformers' generation modes report none themselves), plus the compiled calls the output reports in
+  `decoding_stats.compiled_forwards` (compiled graphs run no hooks);
 - accepted blocks come from `output.decoding_stats` where the output has them (blockwise decoding);
 - each mode's rows are compared with its reference mode's rows of the same batch, and BLEU (and for speech, word
   error rate) is computed against `references` when a tokenizer and references are given.
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -34,8 +34,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from hf_blockwise.engine import engine_of
-from hf_blockwise.tools.audio import word_error_rate
+from hf_blockwise.evaluation.scores import word_error_rate
 
 Batch = dict[str, torch.Tensor]
 # A runner decodes one batch; it also gets the outputs of the modes that ran before it on the same batch (by
@@ -134,8 +133,8 @@ class ModeResult:
 
 
 class DecoderCallCounter:
-    """Counts decoder forward passes, whatever the decoding mode: eager ones by a forward hook on the model's
-    decoder, compiled ones (which run no hooks) by the model's engine ([`engine_of`]).
+    """Counts the eager decoder forward passes of a model, whatever the decoding mode, by a forward hook on its
+    decoder; compiled ones run no hooks, and blockwise decoding reports them in its `decoding_stats`.
 
     Attributes:
         calls (`int`): decoder passes since the last [`reset`].
@@ -144,24 +143,19 @@ class DecoderCallCounter:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._hook_calls = 0
-        self._engine_baseline = 0
         self._handle = model.get_decoder().register_forward_hook(self._count)
 
     def _count(self, module: nn.Module, args: Any, output: Any) -> None:
-        # traced into a compiled graph, the hook counts nothing: the engine counts those calls
+        # traced into a compiled graph, the hook counts nothing: the output reports those calls
         if not torch.compiler.is_compiling():
             self._hook_calls += 1
 
-    def _engine_calls(self) -> int:
-        engine = engine_of(self.model)
-        return 0 if engine is None else engine.compiled_calls
-
     def reset(self) -> None:
-        self._hook_calls, self._engine_baseline = 0, self._engine_calls()
+        self._hook_calls = 0
 
     @property
     def calls(self) -> int:
-        return self._hook_calls + max(self._engine_calls() - self._engine_baseline, 0)
+        return self._hook_calls
 
     def close(self) -> None:
         self._handle.remove()
@@ -182,7 +176,8 @@ def _references_by_mode(runners: Mapping[str, Runner], reference: str | Mapping[
 def _timed_run(
     runner: Runner, batch: Batch, earlier: Mapping[str, Any], counters: Sequence[DecoderCallCounter], repeats: int
 ) -> tuple[Any, float, int]:
-    """The output of the first run, the median time over `repeats` runs, and the first run's decoder calls."""
+    """The output of the first run, the median time over `repeats` runs, and the first run's decoder calls (hooked
+    ones, and compiled ones as its `decoding_stats` reports them)."""
     for counter in counters:
         counter.reset()
     output, times, forwards = None, [], 0
@@ -191,7 +186,9 @@ def _timed_run(
         result = runner(batch, earlier)
         times.append(time.perf_counter() - start)
         if repeat == 0:
-            output, forwards = result, sum(counter.calls for counter in counters)
+            stats = getattr(result, "decoding_stats", None)
+            compiled = 0 if stats is None or not counters else stats.compiled_forwards
+            output, forwards = result, sum(counter.calls for counter in counters) + compiled
     return output, statistics.median(times), forwards
 
 
@@ -275,10 +272,28 @@ def measure(
         earlier: dict[str, Any] = {}
         for mode, runner in runners.items():
             earlier[mode] = runner(batches[0], earlier)
+    bar = tqdm(batches, desc=description, disable=not progress)
+    _decode_batches(runners, bar, results, reference_of, count_forwards_of, repeats, tokenizer, pad_token_id)
+    _score(results.values(), results.get(baseline), references, word_error)
+    return results
+
+
+def _decode_batches(
+    runners: Mapping[str, Runner],
+    batches: Iterable[Batch],
+    results: Mapping[str, ModeResult],
+    reference_of: Mapping[str, str],
+    count_forwards_of: Sequence[nn.Module],
+    repeats: int,
+    tokenizer: Any,
+    pad_token_id: int | None,
+) -> None:
+    """Decodes every batch in every mode, interleaved per batch: records each output, its time and decoder calls
+    in `results`, and compares it with its reference mode's output of the same batch."""
     counters = [DecoderCallCounter(model) for model in count_forwards_of]
     try:
-        for batch in tqdm(batches, desc=description, disable=not progress):
-            earlier = {}
+        for batch in batches:
+            earlier: dict[str, Any] = {}
             for mode, runner in runners.items():
                 output, seconds, forwards = _timed_run(runner, batch, earlier, counters, repeats)
                 earlier[mode] = output
@@ -288,8 +303,6 @@ def measure(
     finally:
         for counter in counters:
             counter.close()
-    _score(results.values(), results.get(baseline), references, word_error)
-    return results
 
 
 def _score(

@@ -4,6 +4,7 @@ the loop, written in input order, and (under `accelerate launch`) the shards mer
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -16,15 +17,11 @@ from typing import Any
 import datasets
 import torch
 from accelerate import PartialState
+from torch import nn
 from tqdm.auto import tqdm
 
 from hf_blockwise import boundary as hf
-from hf_blockwise.drafters.base import Drafter
-from hf_blockwise.drafters.composite import CompositeDrafter
-from hf_blockwise.drafters.input_copy import InputCopyDrafter
-from hf_blockwise.generation.loop import blockwise_generate
-from hf_blockwise.tools.bench import BenchSetup, shares_vocabulary
-from hf_blockwise.tools.corpus.output import (
+from hf_blockwise.corpus.output import (
     CorpusSettings,
     OutputProgress,
     append_chunk,
@@ -36,12 +33,32 @@ from hf_blockwise.tools.corpus.output import (
     whole_output_settings,
     write_progress,
 )
-from hf_blockwise.tools.corpus.planning import chunks_of_shard, plan_batches
-from hf_blockwise.tools.corpus.sources import fingerprint, read_sources
-from hf_blockwise.tools.loading import load_for_bench
+from hf_blockwise.corpus.paths import (
+    check_output_is_not_a_source,
+    check_output_location,
+    check_tokenizer,
+    input_identity,
+    model_identity,
+)
+from hf_blockwise.corpus.planning import chunks_of_shard, plan_batches
+from hf_blockwise.corpus.sources import fingerprint, read_sources
+from hf_blockwise.drafters.base import Drafter
+from hf_blockwise.generation.loop import blockwise_generate
+from hf_blockwise.loading import (
+    LoadedModel,
+    build_drafter,
+    default_max_new_tokens,
+    load_model,
+    missing_drafter,
+    shares_vocabulary,
+)
+from hf_blockwise.modeling.feature_model import FeatureDrafterModel
+from hf_blockwise.modeling.model import BlockwiseHeadsModel
 
 DRAFTERS = ("auto", "none", "heads", "feature", "input_copy", "composite")
 OUTPUT_FORMATS = ("text", "jsonl")
+# generate arguments the job sets itself: given again in `generate_kwargs`, they would clash
+JOB_GENERATE_ARGUMENTS = ("custom_generate", "assistant", "blockwise_compile", "return_dict_in_generate")
 
 
 @dataclass
@@ -78,7 +95,7 @@ class CorpusReport:
         return self.new_tokens / self.row_calls if self.row_calls else 0.0
 
 
-def choose_drafter(name: str, setup: BenchSetup, batch_size: int) -> str:
+def choose_drafter(name: str, loaded: LoadedModel, batch_size: int) -> str:
     """The drafter a run uses: `name` (one of `DRAFTERS`, checked by `CorpusOptions.checked`) if the model has it, or
     for `"auto"` the fastest exact choice measured here (`docs/results.md`, "Generating a corpus": Europarl through
     the Multi30k model, W&I through gec-en):
@@ -91,39 +108,19 @@ def choose_drafter(name: str, setup: BenchSetup, batch_size: int) -> str:
       on translation (the feature drafter 1.37x against the loop's 1.87x at 16), and on error correction the loop is
       within 10% of source copy at 16 (2.38x vs 2.64x) and the fastest at 64.
     """
-    shares = shares_vocabulary(setup.base)
     if name == "auto" and batch_size > 1:
         return "none"
     if name == "auto":
-        if setup.feature_model is not None:
+        shares = shares_vocabulary(loaded.base)
+        if loaded.feature_model is not None:
             return "composite" if shares else "feature"
-        if setup.heads_model is not None:
+        if loaded.heads_model is not None:
             return "heads"
         return "input_copy" if shares else "none"
-    missing = {
-        "heads": setup.heads_model is None and "no proposal heads (blockwise_config.json)",
-        "feature": setup.feature_model is None and "no feature-drafter/ folder",
-        "composite": (setup.feature_model is None and "no feature-drafter/ folder")
-        or (not shares and "different source and target vocabularies (source copy needs one)"),
-        "input_copy": not shares and "different source and target vocabularies (source copy needs one)",
-    }.get(name)
+    missing = missing_drafter(name, loaded)
     if missing:
         raise ValueError(f"--drafter {name}: the model has {missing}")
     return name
-
-
-def build_drafter(name: str, setup: BenchSetup) -> Drafter | None:
-    """The drafter called `name` (not `"auto"`) over `setup`'s models; `None` for `"none"` (one token a call)."""
-    if name == "none":
-        return None
-    if name == "heads":
-        return setup.heads_model.drafter()
-    if name == "input_copy":
-        return InputCopyDrafter(setup.base, max_draft_length=setup.iad_max_draft_length)
-    feature = setup.feature_model.drafter()
-    if name == "feature":
-        return feature
-    return CompositeDrafter(InputCopyDrafter(setup.base, max_draft_length=setup.iad_max_draft_length), feature)
 
 
 @dataclass(frozen=True)
@@ -138,7 +135,11 @@ class DecodedRow:
 
 
 def decode_batch(
-    setup: BenchSetup, drafter: Drafter | None, ids: Sequence[list[int]], generate_kwargs: dict[str, Any], compile: bool
+    loaded: LoadedModel,
+    drafter: Drafter | None,
+    ids: Sequence[list[int]],
+    generate_kwargs: dict[str, Any],
+    compile: bool,
 ) -> list[DecodedRow]:
     """Decodes one batch of tokenized sources through the loop.
 
@@ -148,12 +149,12 @@ def decode_batch(
     Returns:
         `list[DecodedRow]`, one per source, in the order of `ids`.
     """
-    batch = setup.tokenizer.pad({"input_ids": list(ids)}, return_tensors="pt").to(setup.base.device)
-    output = setup.base.generate(
+    batch = loaded.tokenizer.pad({"input_ids": list(ids)}, return_tensors="pt").to(loaded.base.device)
+    output = loaded.base.generate(
         **batch, custom_generate=blockwise_generate, assistant=drafter, blockwise_compile=compile,
         return_dict_in_generate=True, **generate_kwargs,
     )  # fmt: skip
-    texts = setup.tokenizer.batch_decode(output.sequences, skip_special_tokens=True)
+    texts = loaded.tokenizer.batch_decode(output.sequences, skip_special_tokens=True)
     accepted = output.decoding_stats.accepted  # (iterations, rows): tokens each row gained at each decoder call
     new_tokens, calls = accepted.sum(dim=0).tolist(), (accepted > 0).sum(dim=0).tolist()
     return [
@@ -163,20 +164,23 @@ def decode_batch(
 
 
 def decode_chunk(
-    setup: BenchSetup,
+    loaded: LoadedModel,
     drafter: Drafter | None,
     texts: Sequence[str],
     settings: CorpusSettings,
     generate_kwargs: dict[str, Any],
 ) -> list[DecodedRow]:
     """One chunk of sources, decoded in sorted batches and put back in input order; too long sources are skipped
-    or refused (`settings.on_long`)."""
-    encoded = setup.tokenizer(list(texts))["input_ids"]
-    limit = hf.encoder_position_limit(setup.base)  # None: relative or growing positions (T5, NLLB)
+    or refused (`settings.on_long`). A blank source (empty or whitespace only) gives a blank output without being
+    decoded, as CTranslate2 and Marian do: a model fed only its end-of-sequence token would still say something."""
+    encoded = loaded.tokenizer(list(texts))["input_ids"]
+    limit = hf.encoder_position_limit(loaded.base)  # None: relative or growing positions (T5, NLLB)
     rows: list[DecodedRow | None] = [None] * len(texts)
     decodable = []
     for index, ids in enumerate(encoded):
-        if limit is not None and len(ids) > limit:
+        if not texts[index].strip():
+            rows[index] = DecodedRow(text="")
+        elif limit is not None and len(ids) > limit:
             reason = f"the source has {len(ids)} tokens; the model has positions for {limit}"
             if settings.on_long == "fail":
                 raise ValueError(f"{reason} (a chunk's line {index}): pass --on-long skip to skip such lines")
@@ -186,7 +190,7 @@ def decode_chunk(
     lengths = [len(encoded[index]) for index in decodable]
     for planned in plan_batches(lengths, settings.batch_size, settings.max_batch_tokens):
         members = [decodable[position] for position in planned]
-        decoded = decode_batch(setup, drafter, [encoded[i] for i in members], generate_kwargs, settings.compile)
+        decoded = decode_batch(loaded, drafter, [encoded[i] for i in members], generate_kwargs, settings.compile)
         for index, row in zip(members, decoded, strict=True):
             rows[index] = row
     return rows  # type: ignore[return-value]  # every index is filled above
@@ -209,7 +213,7 @@ def format_line(index: int, row: DecodedRow, settings: CorpusSettings) -> str:
 class CorpusJob:
     """A prepared run: the loaded models and drafter, the sources, and this process's settings and output file."""
 
-    setup: BenchSetup
+    loaded: LoadedModel
     drafter: Drafter | None
     texts: list[str]
     settings: CorpusSettings
@@ -220,16 +224,17 @@ class CorpusJob:
 
 
 def generate_corpus(
-    model: str,
+    model: str | os.PathLike | nn.Module | LoadedModel,
     inputs: str | Sequence[str] | datasets.Dataset,
     output: str | os.PathLike,
     *,
+    tokenizer: Any = None,
     column: str | None = None,
     split: str | None = None,
     drafter: str = "auto",
     batch_size: int = 16,
     max_batch_tokens: int | None = None,
-    max_new_tokens: int = 256,
+    max_new_tokens: int | None = None,
     generate_kwargs: dict[str, Any] | None = None,
     compile: bool = False,
     output_format: str | None = None,
@@ -243,16 +248,22 @@ def generate_corpus(
 
     Sources are decoded in sorted batches (by length, within chunks of `chunk_size` lines) through blockwise
     decoding with `drafter`; an interrupted run resumes where it stopped when called again with the same arguments;
-    under `accelerate launch` each process decodes its share of the chunks and process 0 merges them.
+    under `accelerate launch` each process decodes its share of the chunks and process 0 merges them. A blank
+    source gives a blank output.
 
     Args:
-        model (`str`): a model directory (with its drafters: proposal heads, `feature-drafter/`) or a hub id.
+        model: a model directory (with its drafters: proposal heads, `feature-drafter/`), a hub id, or a model
+            already loaded (a transformers seq2seq model, a [`BlockwiseHeadsModel`] or [`FeatureDrafterModel`], or
+            a [`LoadedModel`]) in eval mode, with its `tokenizer`.
         inputs: a text file, a JSONL file, a data file or saved/hub dataset (`column`, `split`), a list of strings or
             a `datasets.Dataset` (see [`read_sources`]).
-        output (`str` or `os.PathLike`): the output file; `OUTPUT.progress.json` beside it records progress.
+        output (`str` or `os.PathLike`): the output file; `OUTPUT.progress.json` beside it records progress. Never
+            the input or one of the model directory's files.
+        tokenizer (*optional*): the tokenizer of a loaded `model` (a model directory loads its own).
         drafter (`str`): one of `DRAFTERS`; `"auto"` picks the fastest exact one the model has ([`choose_drafter`]).
         batch_size (`int`): most rows per batch. max_batch_tokens (`int`, *optional*): most padded source tokens.
-        max_new_tokens (`int`): the length limit, as in `generate` (`generate_kwargs` may set more arguments).
+        max_new_tokens (`int`, *optional*): the length limit, as in `generate`; by default the checkpoint's
+            `generation_config`, as `model.generate()` without arguments (`generate_kwargs` may set more arguments).
         compile (`bool`): verify through the compiled engine (`blockwise_compile=True`; pays off on long runs).
         output_format (`str`, *optional*): `"text"` or `"jsonl"`; by default from the file name (`.jsonl` -> JSONL).
         stats (`bool`): JSONL records also carry `new_tokens` and `decoder_calls`.
@@ -267,21 +278,38 @@ def generate_corpus(
     """
     options = CorpusOptions(
         drafter=drafter, batch_size=batch_size, max_batch_tokens=max_batch_tokens, compile=compile,
-        generate_kwargs={"max_new_tokens": max_new_tokens, **(generate_kwargs or {})}, output_format=output_format,
+        generate_kwargs=merged_generate_kwargs(max_new_tokens, generate_kwargs), output_format=output_format,
         stats=stats, on_long=on_long, chunk_size=chunk_size,
     )  # fmt: skip
-    job = prepare_job(model, inputs, output, column=column, split=split, options=options)
+    job = prepare_job(model, inputs, output, column=column, split=split, options=options, tokenizer=tokenizer)
     return run_job(job, overwrite=overwrite, progress=progress)
+
+
+def merged_generate_kwargs(max_new_tokens: int | None, generate_kwargs: Any) -> dict[str, Any]:
+    """`generate_kwargs` with `max_new_tokens` when it is given (else the checkpoint's `generation_config` sets the
+    length, as in `model.generate()`); a `ValueError` for arguments that are no dict, or a limit given twice."""
+    if generate_kwargs is not None and not isinstance(generate_kwargs, dict):
+        raise ValueError(
+            f"generate_kwargs / --generate-kwargs must be a dict (a JSON object) of generate arguments, got "
+            f'{type(generate_kwargs).__name__}: e.g. {{"no_repeat_ngram_size": 3}}'
+        )
+    merged = dict(generate_kwargs or {})
+    if max_new_tokens is not None:
+        if "max_new_tokens" in merged and merged["max_new_tokens"] != max_new_tokens:
+            raise ValueError("max_new_tokens is given twice, in generate_kwargs and as max_new_tokens: give it once")
+        merged["max_new_tokens"] = max_new_tokens
+    return merged
 
 
 @dataclass(frozen=True)
 class CorpusOptions:
-    """How a corpus is decoded and written (the arguments of [`generate_corpus`] of the same names)."""
+    """How a corpus is decoded and written (the arguments of [`generate_corpus`] of the same names; no length in
+    `generate_kwargs` means the checkpoint's `generation_config` sets it)."""
 
     drafter: str = "auto"
     batch_size: int = 16
     max_batch_tokens: int | None = None
-    generate_kwargs: dict[str, Any] = field(default_factory=lambda: {"max_new_tokens": 256})
+    generate_kwargs: dict[str, Any] = field(default_factory=dict)
     compile: bool = False
     output_format: str | None = None
     stats: bool = False
@@ -297,72 +325,155 @@ class CorpusOptions:
         ):  # fmt: skip
             if value not in allowed:
                 raise ValueError(f"unknown {what} {value!r}; choose one of {allowed}")
-        for what in ("batch_size", "chunk_size", "max_batch_tokens"):
-            value = getattr(self, what)
+        sizes = {what: getattr(self, what) for what in ("batch_size", "chunk_size", "max_batch_tokens")}
+        sizes["max_new_tokens"] = self.generate_kwargs.get("max_new_tokens")
+        for what, value in sizes.items():
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{what} must be a positive int, got {value!r}")
         if self.stats and fmt != "jsonl":
             raise ValueError("stats=True / --stats writes per-line stats into JSONL records: use a .jsonl output")
-        try:
-            json.dumps(self.generate_kwargs)
-        except TypeError as error:
-            raise ValueError(
-                f"generate arguments must be JSON values (they are recorded for resuming): {error}"
-            ) from error
+        _check_generate_kwargs(self.generate_kwargs)
         return dataclasses.replace(self, output_format=fmt)
 
 
+def _check_generate_kwargs(generate_kwargs: Any) -> None:
+    if not isinstance(generate_kwargs, dict):
+        raise ValueError(f"generate_kwargs must be a dict of generate arguments, got {type(generate_kwargs).__name__}")
+    clashing = sorted(set(generate_kwargs) & set(JOB_GENERATE_ARGUMENTS))
+    if clashing:
+        raise ValueError(
+            f"generate_kwargs sets {clashing}, which the corpus job sets itself: use drafter= / --drafter and "
+            "compile= / --compile instead"
+        )
+    try:
+        json.dumps(generate_kwargs)
+    except TypeError as error:
+        raise ValueError(f"generate arguments must be JSON values (they are recorded for resuming): {error}") from error
+
+
 def prepare_job(
-    model: str,
+    model: str | os.PathLike | nn.Module | LoadedModel,
     inputs: str | Sequence[str] | datasets.Dataset,
     output: str | os.PathLike,
     *,
     column: str | None,
     split: str | None,
     options: CorpusOptions,
+    tokenizer: Any = None,
 ) -> CorpusJob:
-    """Checks the options, reads the sources, loads the model and its drafters (options are checked first, so that
-    a bad call fails in a second, not after loading) and makes the job."""
-    options = options.checked(Path(output))
+    """Checks the options and where the output goes, reads the sources, loads the model and its drafters (the
+    checks come first, so that a bad call fails in a second, not after loading) and makes the job."""
+    output = Path(output)
+    options = options.checked(output)
+    check_output_location(output)
+    check_output_is_not_a_source(output, inputs, model)
     texts = read_sources(inputs, column, split)
-    setup = load_for_bench(model, None, int(options.generate_kwargs.get("max_new_tokens", 256)))
-    if setup.tokenizer is None or setup.feature_extractor is not None:
-        raise ValueError(f"{model}: its encoder reads {hf.encoder_input_name(setup.base)}, not text")
-    return make_job(setup, os.fspath(model), texts, _describe(inputs, column, split), Path(output), options)
+    loaded, name = load_for_corpus(model, tokenizer)
+    if loaded.feature_extractor is not None or hf.encoder_input_name(loaded.base) != "input_ids":
+        raise ValueError(f"{name}: its encoder reads {hf.encoder_input_name(loaded.base)}, not text")
+    return make_job(loaded, name, texts, input_identity(inputs, column, split), output, options)
+
+
+def load_for_corpus(model: str | os.PathLike | nn.Module | LoadedModel, tokenizer: Any) -> tuple[LoadedModel, str]:
+    """The models a job decodes with, and how its progress file names them: a local directory by its resolved path,
+    a hub id as given, a model in memory by its class, name and a digest of its weights."""
+    if isinstance(model, str | os.PathLike):
+        if tokenizer is not None:
+            raise ValueError("tokenizer= goes with a loaded model: a model directory or hub id loads its own")
+        check_tokenizer(model)
+        return load_model(os.fspath(model)), model_identity(model)
+    if isinstance(model, nn.Module):
+        if tokenizer is None:
+            raise ValueError(
+                f"generate_corpus was given a loaded {type(model).__name__}: pass its tokenizer too (tokenizer="
+                "AutoTokenizer.from_pretrained(...)), or give the model's directory instead"
+            )
+        model = _loaded_from_module(model, tokenizer)
+    if not isinstance(model, LoadedModel):
+        raise ValueError(f"model must be a model directory, a hub id or a loaded model, got {type(model).__name__}")
+    loaded = model if tokenizer is None else dataclasses.replace(model, tokenizer=tokenizer)
+    if loaded.tokenizer is None:
+        raise ValueError("the LoadedModel has no tokenizer: pass tokenizer=")
+    for module in (loaded.base, loaded.heads_model, loaded.feature_model):
+        if module is not None and module.training:
+            raise ValueError(f"the {type(module).__name__} is in training mode (dropout on): call .eval() first")
+    return loaded, in_memory_identity(loaded)
+
+
+def _loaded_from_module(model: nn.Module, tokenizer: Any) -> LoadedModel:
+    """A loaded model with what it carries: a heads model's heads, a feature drafter model's drafter."""
+    heads_model = model if isinstance(model, BlockwiseHeadsModel) else None
+    feature_model = model if isinstance(model, FeatureDrafterModel) else None
+    base = model.base_model if heads_model is not None or feature_model is not None else model
+    return LoadedModel(base=base, tokenizer=tokenizer, heads_model=heads_model, feature_model=feature_model)
+
+
+def in_memory_identity(loaded: LoadedModel) -> str:
+    """`<in-memory CLASS NAME, weights SHA-256>` of a model given loaded: a resumed run must decode with the same
+    weights, whatever the model's recorded name says."""
+    digest, seen = hashlib.sha256(), set()
+    for module in (loaded.base, loaded.heads_model, loaded.feature_model):
+        for key, value in sorted((module.state_dict() if module is not None else {}).items()):
+            storage = (value.data_ptr(), tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else key
+            if storage in seen:
+                continue  # a heads or drafter model holds its base: each tensor once
+            seen.add(storage)
+            digest.update(key.encode("utf-8") + _value_bytes(value))
+    name = getattr(loaded.base, "name_or_path", "") or "unnamed"
+    return f"<in-memory {type(loaded.base).__name__} {name}, weights sha256 {digest.hexdigest()[:16]}>"
+
+
+def _value_bytes(value: Any) -> bytes:
+    """The bytes of a state dict entry: a tensor's data (int8 weights: their integers), else its repr."""
+    if not isinstance(value, torch.Tensor):
+        return repr(value).encode("utf-8")
+    tensor = value.detach().cpu()
+    tensor = tensor.int_repr() if tensor.is_quantized else tensor
+    return tensor.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def make_job(
-    setup: BenchSetup, model: str, texts: list[str], description: str, output: Path, options: CorpusOptions
+    loaded: LoadedModel, model: str, texts: list[str], description: str, output: Path, options: CorpusOptions
 ) -> CorpusJob:
     """A job over loaded models (moved to this process's device) for `texts`, written to `output` (or, under
     `accelerate launch` with several processes, to this process's shard of it)."""
     options = options.checked(output)
     state = PartialState()
-    _to_device(setup, state.device)
-    chosen = choose_drafter(options.drafter, setup, options.batch_size)
+    loaded.to(state.device)
+    chosen = choose_drafter(options.drafter, loaded, options.batch_size)
     settings = CorpusSettings(
         model=model, drafter=chosen, input=description, input_sha256=fingerprint(texts), num_lines=len(texts),
-        generate_kwargs=dict(options.generate_kwargs), batch_size=options.batch_size,
-        max_batch_tokens=options.max_batch_tokens, chunk_size=options.chunk_size, output_format=options.output_format,
-        stats=options.stats, on_long=options.on_long, compile=options.compile, num_shards=state.num_processes,
-        shard=state.process_index if state.num_processes > 1 else -1,
+        generate_kwargs=dict(options.generate_kwargs), generation_config=generation_defaults(loaded.base),
+        batch_size=options.batch_size, max_batch_tokens=options.max_batch_tokens, chunk_size=options.chunk_size,
+        output_format=options.output_format, stats=options.stats, on_long=options.on_long, compile=options.compile,
+        num_shards=state.num_processes, shard=state.process_index if state.num_processes > 1 else -1,
     )  # fmt: skip
     shard_output = output if state.num_processes == 1 else shard_path(output, state.process_index, state.num_processes)
     return CorpusJob(
-        setup=setup, drafter=build_drafter(chosen, setup), texts=texts, settings=settings,
+        loaded=loaded, drafter=build_drafter(chosen, loaded), texts=texts, settings=settings,
         generate_kwargs=dict(options.generate_kwargs), output=output, shard_output=shard_output, state=state,
     )  # fmt: skip
 
 
-def _to_device(setup: BenchSetup, device: torch.device) -> None:
-    for model in (setup.base, setup.heads_model, setup.feature_model):
-        if model is not None:
-            model.to(device)
+def generation_defaults(model: nn.Module) -> dict[str, Any]:
+    """The checkpoint's `generation_config` as it differs from transformers' defaults (JSON values, without the
+    transformers version): what `generate` applies where the call is silent, recorded so that a resumed run with
+    another generation config is refused."""
+    defaults = json.loads(model.generation_config.to_json_string(use_diff=True))
+    defaults.pop("transformers_version", None)
+    return defaults
 
 
-def _describe(inputs: Any, column: str | None, split: str | None) -> str:
-    where = os.fspath(inputs) if isinstance(inputs, str | os.PathLike) else f"<{type(inputs).__name__}>"
-    return where + (f" [{split}]" if split else "") + (f" column {column}" if column else "")
+def length_limit(job: CorpusJob) -> str:
+    """The length limit of the job's outputs, and where it comes from, in words (`"max_new_tokens 128 (the
+    checkpoint's generation_config)"`), in the precedence `generate` applies."""
+    given, config = job.generate_kwargs, job.loaded.base.generation_config
+    if "max_new_tokens" in given:
+        return f"max_new_tokens {given['max_new_tokens']} (given)"
+    if "max_length" in given and config.max_new_tokens is None:
+        return f"max_length {given['max_length']} (given)"
+    limit, source = default_max_new_tokens(job.loaded.base)
+    return f"max_new_tokens {limit} ({source})"
 
 
 def run_job(job: CorpusJob, overwrite: bool = False, progress: bool = True) -> CorpusReport:
@@ -389,7 +500,7 @@ def run_job(job: CorpusJob, overwrite: bool = False, progress: bool = True) -> C
     with torch.inference_mode(), bar:
         for chunk in todo:
             rows = decode_chunk(
-                job.setup, job.drafter, job.texts[chunk.start : chunk.stop], settings, job.generate_kwargs
+                job.loaded, job.drafter, job.texts[chunk.start : chunk.stop], settings, job.generate_kwargs
             )
             lines = [format_line(chunk.start + offset, row, settings) for offset, row in enumerate(rows)]
             written = append_chunk(job.shard_output, written, lines)

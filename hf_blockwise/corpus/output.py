@@ -24,7 +24,9 @@ class CorpusSettings:
         model (`str`): model directory or hub id.
         drafter (`str`): the drafter actually used (never `"auto"`).
         input (`str`): where the sources came from; `input_sha256` and `num_lines` identify their content.
-        generate_kwargs (`dict`): JSON-able `generate` arguments (`max_new_tokens` included).
+        generate_kwargs (`dict`): the JSON-able `generate` arguments given (`max_new_tokens` when given).
+        generation_config (`dict`): the checkpoint's `generation_config` where it differs from transformers'
+            defaults: what `generate` applies where `generate_kwargs` is silent (the length limit by default).
         batch_size (`int`), max_batch_tokens (`int`, *optional*), chunk_size (`int`): the batching.
         output_format (`str`): `"text"` (one output per line) or `"jsonl"`; stats (`bool`): per-line stats in JSONL.
         on_long (`str`): `"fail"` or `"skip"` for sources longer than the model's positions.
@@ -40,6 +42,7 @@ class CorpusSettings:
     input_sha256: str
     num_lines: int
     generate_kwargs: dict[str, Any]
+    generation_config: dict[str, Any]
     batch_size: int
     max_batch_tokens: int | None
     chunk_size: int

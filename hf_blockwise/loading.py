@@ -1,0 +1,267 @@
+"""Loading a model directory with everything it ships, and building its drafters by name: the one place every
+entry point (bench, demo, corpus job, CLI) loads models and drafters.
+
+A model directory holds the base (with proposal heads when it has `blockwise_config.json`), its tokenizer or
+feature extractor, and the drafters kept beside it: `feature-drafter/`, `nar-drafter/`, `sequential-heads/`.
+[`load_model`] reads all of it into a [`LoadedModel`]; [`build_drafter`] makes any of its drafters, and
+[`missing_drafter`] says why a loaded model cannot make one.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoFeatureExtractor, AutoModelForSeq2SeqLM, AutoTokenizer
+
+from hf_blockwise import boundary as hf
+from hf_blockwise.drafters.base import Drafter
+from hf_blockwise.drafters.composite import CompositeDrafter
+from hf_blockwise.drafters.input_copy import InputCopyDrafter
+from hf_blockwise.modeling.config import CONFIG_NAME, FEATURE_DRAFTER_CONFIG_NAME
+from hf_blockwise.modeling.feature_model import FeatureDrafterModel
+from hf_blockwise.modeling.model import BlockwiseHeadsModel
+from hf_blockwise.modeling.nar_model import NAR_CONFIG_NAME, NARDrafterModel
+from hf_blockwise.modeling.quantization import quantize_dynamic_int8
+
+# where a model directory keeps its other drafters, if it ships them
+NAR_DRAFTER_SUBDIR = "nar-drafter"
+FEATURE_DRAFTER_SUBDIR = "feature-drafter"
+SEQUENTIAL_HEADS_SUBDIR = "sequential-heads"
+# the drafters [`build_drafter`] makes: `none` drafts nothing (the loop alone, one token per decoder call)
+DRAFTER_NAMES = ("none", "heads", "seq_heads", "feature", "input_copy", "composite", "nar")
+SOURCE_COPY_NEEDS = "different source and target vocabularies (source copy needs one)"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model with what it ships, loaded in float32 and in eval mode.
+
+    Attributes:
+        base: the transformers seq2seq model (greedy reference and verifier).
+        tokenizer (*optional*): turns sources into ids and outputs into texts; `None` for a model built in memory
+            that decodes token ids.
+        feature_extractor (*optional*): for models whose encoder reads audio (Whisper...): its `sampling_rate`
+            and log-mel features.
+        heads_model ([`BlockwiseHeadsModel`], *optional*): the base with its proposal heads.
+        feature_model ([`FeatureDrafterModel`], *optional*): the feature drafter on `base`.
+        sequential_heads_model ([`BlockwiseHeadsModel`] with sequential heads, *optional*).
+        nar_model ([`NARDrafterModel`], *optional*): the non-autoregressive drafter of GAD decoding.
+        assistant_model (*optional*): a smaller seq2seq model for transformers' assisted generation.
+    """
+
+    base: nn.Module
+    tokenizer: Any
+    feature_extractor: Any = None
+    heads_model: nn.Module | None = None
+    feature_model: nn.Module | None = None
+    sequential_heads_model: nn.Module | None = None
+    nar_model: NARDrafterModel | None = None
+    assistant_model: nn.Module | None = None
+
+    def int8_copy(self) -> LoadedModel:
+        """An int8 dynamically quantized copy of the base (with its heads, when there are some); the other drafters
+        and the assistant are left out, since they were made for the float base."""
+        source = self.heads_model if self.heads_model is not None else self.base
+        quantized = quantize_dynamic_int8(copy.deepcopy(source))
+        heads_model = quantized if self.heads_model is not None else None
+        base = quantized.base_model if heads_model is not None else quantized
+        return dataclasses.replace(
+            self, base=base, heads_model=heads_model, assistant_model=None, sequential_heads_model=None,
+            feature_model=None, nar_model=None,
+        )  # fmt: skip
+
+    def to(self, device: torch.device | str) -> LoadedModel:
+        """Moves every loaded model to `device` (in place, as `nn.Module.to` does); returns `self`."""
+        for model in (self.base, self.heads_model, self.feature_model, self.sequential_heads_model, self.nar_model):
+            if model is not None:
+                model.to(device)
+        return self
+
+
+def shipped_drafter_path(model_path: str, subdir: str, config_name: str) -> str | None:
+    """`<model_path>/<subdir>` when it holds a saved drafter (its `config_name`), else `None`."""
+    path = os.path.join(model_path, subdir)
+    return path if os.path.isfile(os.path.join(path, config_name)) else None
+
+
+def load_model(
+    model_path: str,
+    *,
+    assistant_path: str | None = None,
+    nar_drafter_path: str | None = None,
+    feature_drafter_path: str | None = None,
+    sequential_heads_path: str | None = None,
+    int8: bool = False,
+) -> LoadedModel:
+    """A model directory (or hub id) with what it ships: base (with heads if it has some), tokenizer, feature
+    extractor (speech encoders), and the drafters in `<model>/nar-drafter`, `<model>/feature-drafter` and
+    `<model>/sequential-heads` when present and none is given.
+
+    Args:
+        assistant_path (`str`, *optional*): a small seq2seq model (or a NAR drafter directory) for assisted
+            generation.
+        nar_drafter_path, feature_drafter_path, sequential_heads_path (`str`, *optional*): drafters saved elsewhere.
+        int8 (`bool`): quantize the base (with its heads) to int8 before the drafters are put on it (CPU).
+    """
+    for what, path in (
+        ("model_path", model_path), ("assistant_path", assistant_path), ("nar_drafter_path", nar_drafter_path),
+        ("feature_drafter_path", feature_drafter_path), ("sequential_heads_path", sequential_heads_path),
+    ):  # fmt: skip
+        if path is not None:
+            hf.check_local_path(path, what)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    heads_model, base = _load_base(model_path)
+    if int8:
+        quantized = quantize_dynamic_int8(heads_model if heads_model is not None else base)
+        base = quantized.base_model if heads_model is not None else quantized
+    # speech encoders read features of audio (Whisper's log-mel frames), made by the checkpoint's feature extractor
+    feature_extractor = (
+        None if hf.encoder_input_name(base) == "input_ids" else AutoFeatureExtractor.from_pretrained(model_path)
+    )
+    nar_drafter_path = nar_drafter_path or shipped_drafter_path(model_path, NAR_DRAFTER_SUBDIR, NAR_CONFIG_NAME)
+    feature_drafter_path = feature_drafter_path or shipped_drafter_path(
+        model_path, FEATURE_DRAFTER_SUBDIR, FEATURE_DRAFTER_CONFIG_NAME
+    )
+    sequential_heads_path = sequential_heads_path or shipped_drafter_path(
+        model_path, SEQUENTIAL_HEADS_SUBDIR, CONFIG_NAME
+    )
+    return LoadedModel(
+        base=base, tokenizer=tokenizer, feature_extractor=feature_extractor, heads_model=heads_model,
+        feature_model=_load_if(feature_drafter_path, lambda path: FeatureDrafterModel.from_pretrained(
+            path, base_model=base).eval()),
+        sequential_heads_model=_load_if(sequential_heads_path, lambda path: BlockwiseHeadsModel.from_pretrained(
+            path, base_model=base).eval()),
+        nar_model=_load_if(nar_drafter_path, lambda path: NARDrafterModel.from_pretrained(
+            path, verifier=base, dtype=torch.float32).eval()),
+        assistant_model=_load_if(assistant_path, lambda path: _load_assistant(path, base)),
+    )  # fmt: skip
+
+
+def _load_base(model_path: str) -> tuple[nn.Module | None, nn.Module]:
+    """(heads model or `None`, base): the heads model when the directory has heads, its base either way; float32
+    (checkpoints may be stored in fp16 to stay small; CPU matmuls are fast in fp32)."""
+    if os.path.isfile(os.path.join(model_path, CONFIG_NAME)):
+        heads_model = BlockwiseHeadsModel.from_pretrained(model_path, dtype=torch.float32).eval()
+        return heads_model, heads_model.base_model
+    return None, hf.load_encoder_decoder(model_path, dtype=torch.float32).eval()
+
+
+def _load_if(path: str | None, load: Callable[[str], Any]) -> Any:
+    return None if path is None else load(path)
+
+
+def _load_assistant(path: str, base: nn.Module) -> nn.Module:
+    """An assistant model for transformers' assisted generation. A NAR drafter is a small seq2seq model of the same
+    vocabulary; fed no masks, its output at the last verified position is an autoregressive next-token prediction,
+    which is all an assistant model makes."""
+    if os.path.isfile(os.path.join(path, NAR_CONFIG_NAME)):
+        return NARDrafterModel.from_pretrained(path, verifier=base, dtype=torch.float32).model.eval()
+    return AutoModelForSeq2SeqLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def shares_vocabulary(model: nn.Module) -> bool:
+    """Whether `model`'s encoder and decoder embed the same token ids (what source copy needs)."""
+    try:
+        hf.check_shared_vocabulary(model)
+    except ValueError:
+        return False
+    return True
+
+
+def missing_drafter(name: str, loaded: LoadedModel) -> str | None:
+    """Why `loaded` cannot make the drafter `name` (one of `DRAFTER_NAMES`), or `None` when it can."""
+    if name not in DRAFTER_NAMES:
+        raise ValueError(f"unknown drafter {name!r}; choose one of {DRAFTER_NAMES}")
+    needs_copy = name in ("input_copy", "composite")
+    if name == "heads" and loaded.heads_model is None:
+        return "no proposal heads (blockwise_config.json)"
+    if name == "seq_heads" and loaded.sequential_heads_model is None:
+        return f"no sequential heads ({SEQUENTIAL_HEADS_SUBDIR}/ folder)"
+    if name in ("feature", "composite") and loaded.feature_model is None:
+        return f"no feature drafter ({FEATURE_DRAFTER_SUBDIR}/ folder)"
+    if name == "nar" and loaded.nar_model is None:
+        return f"no NAR drafter ({NAR_DRAFTER_SUBDIR}/ folder)"
+    if needs_copy and not shares_vocabulary(loaded.base):
+        return SOURCE_COPY_NEEDS
+    return None
+
+
+@dataclass(frozen=True)
+class DrafterOptions:
+    """How [`build_drafter`] sets a drafter up; each drafter reads the fields that concern it.
+
+    Attributes:
+        block_size (`int`, *optional*): tokens per step of heads, sequential heads, feature and NAR drafters
+            (default: the trained block size).
+        threshold (`float`, `"config"` or `None`): the feature drafter's draft threshold (`"config"`: its config's;
+            `None`: no threshold).
+        use_shortlist (`bool`): the heads propose from their vocabulary shortlist (when they have one).
+        max_draft_length (`int`): most source tokens source copy drafts per step. realign (`bool`): source copy
+            drafts right after an edit too.
+    """
+
+    block_size: int | None = None
+    threshold: float | str | None = "config"
+    use_shortlist: bool = True
+    max_draft_length: int = 32
+    realign: bool = False
+
+
+def _input_copy(loaded: LoadedModel, options: DrafterOptions) -> Drafter:
+    return InputCopyDrafter(loaded.base, max_draft_length=options.max_draft_length, realign=options.realign)
+
+
+def _feature(loaded: LoadedModel, options: DrafterOptions) -> Drafter:
+    return loaded.feature_model.drafter(block_size=options.block_size, threshold=options.threshold)
+
+
+_BUILDERS: dict[str, Callable[[LoadedModel, DrafterOptions], Drafter]] = {
+    "heads": lambda loaded, options: loaded.heads_model.drafter(options.block_size, options.use_shortlist),
+    "seq_heads": lambda loaded, options: loaded.sequential_heads_model.drafter(options.block_size),
+    "feature": _feature,
+    "input_copy": _input_copy,
+    "composite": lambda loaded, options: CompositeDrafter(_input_copy(loaded, options), _feature(loaded, options)),
+    "nar": lambda loaded, options: loaded.nar_model.drafter(block_size=options.block_size, verifier=loaded.base),
+}
+
+
+def build_drafter(name: str, loaded: LoadedModel, options: DrafterOptions | None = None) -> Drafter | None:
+    """The drafter called `name` (one of `DRAFTER_NAMES`) over `loaded`'s models; `None` for `"none"`.
+
+    Raises:
+        `ValueError` naming what the model lacks ([`missing_drafter`]).
+    """
+    missing = missing_drafter(name, loaded)
+    if missing:
+        raise ValueError(f"drafter {name!r}: the model has {missing}")
+    if name == "none":
+        return None
+    return _BUILDERS[name](loaded, options or DrafterOptions())
+
+
+# transformers' length when neither the call nor the checkpoint's generation_config gives one
+TRANSFORMERS_DEFAULT_NEW_TOKENS = 20
+
+
+def default_max_new_tokens(model: nn.Module) -> tuple[int, str]:
+    """The new-token limit that `model.generate()` applies when the call gives none, and where it comes from, for
+    the entry points that need a number (the bench, the demo's report): the checkpoint's `generation_config`
+    `max_new_tokens`; else its `max_length` less the one-token decoder prompt of an encoder-decoder; else
+    transformers' default of 20 new tokens.
+
+    Returns:
+        `tuple[int, str]`: the limit, and its source in words (`"the checkpoint's generation_config"`).
+    """
+    config = model.generation_config
+    if config.max_new_tokens is not None:
+        return config.max_new_tokens, "the checkpoint's generation_config"
+    if config.max_length is not None:
+        return config.max_length - 1, f"the checkpoint's generation_config (max_length {config.max_length})"
+    return TRANSFORMERS_DEFAULT_NEW_TOKENS, "transformers' default (the checkpoint's generation_config sets none)"

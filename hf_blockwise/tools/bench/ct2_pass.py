@@ -1,0 +1,72 @@
+"""CTranslate2, the engine a CPU user would pick instead, timed by the bench in a pass of its own
+(the conversion and its runner: [`hf_blockwise.tools.ct2`])."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from hf_blockwise.evaluation.harness import Batch, ModeResult, Runner, measure
+from hf_blockwise.tools.bench.modes import Mode
+from hf_blockwise.tools.bench.setup import BenchSetup
+
+try:
+    from hf_blockwise.tools import ct2
+except ModuleNotFoundError as error:  # the optional extra: pip install -e .[ctranslate2]
+    if error.name != "ctranslate2":
+        raise
+    ct2 = None
+
+CT2_THREADS = 1  # see `measure_ct2`
+
+
+def ct2_unavailable(setup: BenchSetup) -> str | None:
+    """Why the bench cannot run CTranslate2 on `setup`, or `None` when it can."""
+    if ct2 is None:
+        return "CTranslate2 is not installed (pip install -e .[ctranslate2])"
+    if setup.loaded.tokenizer is None:
+        return "CTranslate2 decodes token strings, which needs a tokenizer"
+    if setup.loaded.feature_extractor is not None:
+        return "the bench runs CTranslate2 on text inputs only"
+    return None
+
+
+def measure_ct2(
+    setup: BenchSetup,
+    modes: Sequence[Mode],
+    batches: Sequence[Batch],
+    greedy_outputs: dict[int, Any],
+    greedy: ModeResult,
+    references: Sequence[str] | None,
+    progress: bool,
+) -> list[ModeResult]:
+    """The CTranslate2 modes on the same batches, in a pass of their own after the other modes, with one thread.
+
+    CTranslate2 brings its own OpenMP runtime, and in one process beside torch's on this 2-core CPU the two
+    contend (measured): interleaved with torch's modes, a translator that has run slowed torch's calls by 30% (by
+    3x with two CTranslate2 threads, which also slowed CTranslate2 itself 5x). So its translators exist only for
+    this pass, after the others, and run `CT2_THREADS` (one) thread: at `--threads 1` the comparison is at equal
+    threads, at `--threads 2` the CTranslate2 rows understate it. Outputs are compared with the greedy mode's
+    outputs of the same batches, and speedups are relative to that mode's time in the main pass.
+
+    Args:
+        greedy_outputs (`dict`): `id(batch)` -> the greedy mode's output for that batch.
+        greedy ([`ModeResult`]): the greedy mode's result in the main pass.
+    """
+    base, tokenizer = setup.loaded.base, setup.loaded.tokenizer
+    device = "cuda" if next(base.parameters()).device.type == "cuda" else "cpu"
+    with tempfile.TemporaryDirectory() as folder:
+        model_dir = ct2.convert(base, tokenizer, folder)
+        runners: dict[str, Runner] = {"greedy": lambda batch, _: greedy_outputs[id(batch)]}  # a replay
+        for mode in modes:
+            translator = ct2.load_translator(model_dir, mode.ct2_compute_type, CT2_THREADS, device)
+            runners[mode.name] = ct2.greedy_runner(translator, tokenizer, base, setup.max_new_tokens)
+        by_mode = measure(
+            runners, batches, pad_token_id=base.config.pad_token_id, reference="greedy", tokenizer=tokenizer,
+            references=references, progress=progress, description=f"bench batch {greedy.batch_size}, CTranslate2",
+        )  # fmt: skip
+    results = [by_mode[mode.name] for mode in modes]
+    for result in results:
+        result.speedup = greedy.seconds / result.seconds if result.seconds else None
+    return results

@@ -1,0 +1,144 @@
+"""The grammar of the bench's mode names, parsed once into a frozen [`Mode`].
+
+A mode name is a family (`greedy`, `heads`, `feature`, `iad`, `gad_pp`, `ct2`, ...), optionally sized
+(`heads_k3`, `oracle_k4`, `feature_k6_t0.3`, `feature_t0.3`), and optionally suffixed `_int8` (a few families, on
+the int8 quantized model) or `_compiled` (through the compiled engine). Everything else reads the parsed fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+COMPILED_SUFFIX = "_compiled"
+# The compiled engine (`blockwise_compile=True`): `greedy_compiled` is the loop with no drafter through it, the
+# exact reference of every other `*_compiled` mode; `hf_greedy_compiled` is transformers' own greedy with a static
+# cache and a compiled forward, as a user would set it up.
+COMPILED_MODES = (
+    "greedy_compiled", "oracle_compiled", "heads_compiled", "seq_heads_compiled", "feature_compiled", "iad_compiled",
+    "composite_compiled", "gad_compiled", "hf_greedy_compiled",
+)  # fmt: skip
+# int8 dynamically quantized torch models, exact with respect to the int8 model's greedy (`greedy_int8`)
+INT8_MODES = ("greedy_int8", "heads_int8", "iad_int8")
+MODE_NAMES = (
+    "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_full_vocab", "heads_top2", "seq_heads", "feature",
+    "composite", "iad", "iad_realign", "gad", "gad_pp", *INT8_MODES, "loop", "oracle", "ct2", "ct2_int8",
+    *COMPILED_MODES,
+)  # fmt: skip
+DEFAULT_MODES = (
+    "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_top2", "seq_heads", "feature", "composite", "iad",
+    "gad", "gad_pp", "loop", "oracle", "greedy_compiled", "oracle_compiled", "heads_compiled", "seq_heads_compiled",
+    "feature_compiled", "iad_compiled", "composite_compiled", "hf_greedy_compiled",
+)  # fmt: skip
+# The CPU fast path, step by step (Devlin 2017, Table 1): blockwise heads drafting over the whole vocabulary,
+# + the heads' vocabulary shortlist, + int8 matrix products (with int8 greedy as that step's exact reference).
+FAST_PATH_MODES = ("greedy", "heads_full_vocab", "heads", "greedy_int8", "heads_int8")
+# The loop alone, without a trained drafter: what `--model-config` runs.
+LOOP_MODES = ("greedy", "loop", "oracle")
+DEFAULT_ORACLE_BLOCK_SIZES = (4,)
+# the greedy modes every other mode is compared with, in the order a batch is decoded (references first)
+REFERENCE_MODES = ("greedy", "greedy_int8", "greedy_compiled")
+
+_ORACLE = re.compile(r"oracle_k(\d+)")
+# a model drafter at another block size k and (feature drafter) draft threshold: `feature_k6_t0.3`, `heads_k3`
+_SIZED = re.compile(r"(heads|seq_heads|feature)_k(\d+)(?:_t([0-9.]+))?|feature_t([0-9.]+)")
+# the drafter ([`hf_blockwise.loading.build_drafter`]) of each drafting family
+_DRAFTERS = {
+    "heads": "heads", "heads_full_vocab": "heads", "heads_top2": "heads", "seq_heads": "seq_heads",
+    "feature": "feature", "composite": "composite", "iad": "input_copy", "iad_realign": "input_copy", "gad": "nar",
+    "gad_pp": "nar",
+}  # fmt: skip
+_BATCH_ONE_ONLY = ("prompt_lookup", "assisted")  # transformers' assisted generation decodes one row at a time
+_CT2_COMPUTE_TYPES = {False: "float32", True: "int8"}
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One parsed mode name.
+
+    Attributes:
+        name (`str`): the name as given (the row of the report).
+        family (`str`): what decodes: `greedy`, `hf_greedy`, `beam4`, `prompt_lookup`, `assisted`, `loop`, `oracle`,
+            `ct2`, or a drafting family (`heads`, `heads_full_vocab`, `heads_top2`, `seq_heads`, `feature`,
+            `composite`, `iad`, `iad_realign`, `gad`, `gad_pp`).
+        compiled (`bool`): through the compiled engine (`_compiled`).
+        int8 (`bool`): int8 weights (`_int8`; for `ct2`, CTranslate2's int8 compute type).
+        block_size (`int`, *optional*): the k of a sized mode (`heads_k3`, `oracle_k4`); `None`: the trained one
+            (an `oracle` without k stands for one `oracle_k{k}` per configured block size).
+        threshold (`float`, `"config"` or `None`): the feature drafter's draft threshold: its config's unless the
+            name is sized (`feature_k6`: none; `feature_k6_t0.3`: 0.3).
+    """
+
+    name: str
+    family: str
+    compiled: bool = False
+    int8: bool = False
+    block_size: int | None = None
+    threshold: float | str | None = "config"
+
+    @classmethod
+    def parse(cls, name: str) -> Mode:
+        """The mode called `name`; a `ValueError` names the known ones."""
+        plain = name.removesuffix(COMPILED_SUFFIX)
+        compiled = plain != name
+        if name in MODE_NAMES:
+            int8 = not compiled and name.endswith("_int8")
+            family = "hf_greedy" if plain == "hf_greedy" else plain.removesuffix("_int8")
+            return cls(name, family, compiled=compiled, int8=int8)
+        oracle = _ORACLE.fullmatch(plain)
+        if oracle:
+            return cls(name, "oracle", compiled=compiled, block_size=int(oracle.group(1)))
+        sized = _SIZED.fullmatch(plain)
+        raw = sized and (sized.group(3) or sized.group(4))
+        if sized and (not raw or _is_number(raw)):
+            block_size = int(sized.group(2)) if sized.group(2) else None
+            threshold = float(raw) if raw else None
+            return cls(name, sized.group(1) or "feature", compiled, block_size=block_size, threshold=threshold)
+        raise ValueError(
+            f"Unknown mode {name!r}; choose from {MODE_NAMES}, oracle_k<k>, heads_k<k>, seq_heads_k<k>, feature_k<k>, "
+            "feature_k<k>_t<threshold>, feature_t<threshold> (each sized one also with a _compiled suffix)"
+        )
+
+    def at_block_size(self, block_size: int) -> Mode:
+        """This (unsized oracle) mode at block size k: `oracle_k{k}`, with the `_compiled` suffix if it has one."""
+        name = f"{self.family}_k{block_size}" + (COMPILED_SUFFIX if self.compiled else "")
+        return dataclasses.replace(self, name=name, block_size=block_size)
+
+    @property
+    def reference(self) -> str:
+        """The greedy mode whose output this one must reproduce: int8 modes are exact w.r.t. the int8 model, compiled
+        modes w.r.t. the engine's own greedy (`greedy_compiled`, itself compared with eager greedy)."""
+        if self.on_int8_model:
+            return "greedy_int8"
+        if self.compiled and self.family not in ("greedy", "hf_greedy"):
+            return "greedy_compiled"
+        return "greedy"
+
+    @property
+    def drafter(self) -> str | None:
+        """The drafter this mode decodes with (a name of [`hf_blockwise.loading.DRAFTER_NAMES`]), or `None`."""
+        return _DRAFTERS.get(self.family)
+
+    @property
+    def on_int8_model(self) -> bool:
+        """Whether this mode decodes with the int8 quantized torch model."""
+        return self.int8 and self.family != "ct2"
+
+    @property
+    def ct2_compute_type(self) -> str | None:
+        """CTranslate2's compute type of a `ct2` mode (`float32` or `int8` weights), else `None`."""
+        return _CT2_COMPUTE_TYPES[self.int8] if self.family == "ct2" else None
+
+    @property
+    def batch_one_only(self) -> bool:
+        """Whether this mode only runs at batch size 1 (transformers' assisted generation decodes one row)."""
+        return self.family in _BATCH_ONE_ONLY
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True

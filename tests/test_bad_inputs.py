@@ -1,0 +1,303 @@
+"""Bad input as a new user gives it to the Python API: each gets a clear error naming what is wrong and the fix, a
+warning, or the output plain greedy search gives for it."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+from conftest import build_model, random_batch
+from transformers import AutoModelForSeq2SeqLM, LogitsProcessor, LogitsProcessorList, MarianConfig, MarianMTModel
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+from zoo_media import build_media_model, media_batch, whisper_tokenizer
+
+from hf_blockwise import (
+    BlockwiseConfig,
+    BlockwiseHeadsModel,
+    CompositeDrafter,
+    FeatureDrafterConfig,
+    FeatureDrafterModel,
+    InputCopyDrafter,
+    MinimumBlockAcceptance,
+    blockwise_generate,
+)
+from hf_blockwise.boundary import save_shipped_model, weights_fingerprint
+from hf_blockwise.modeling.config import CONFIG_NAME, MAX_BLOCK_SIZE
+
+
+@pytest.fixture(scope="module")
+def marian():
+    return build_model("marian")
+
+
+@pytest.fixture(scope="module")
+def heads(marian) -> BlockwiseHeadsModel:
+    model = BlockwiseHeadsModel(marian, BlockwiseConfig(block_size=4))
+    torch.manual_seed(0)
+    torch.nn.init.normal_(model.heads.down.weight, std=1.0)  # heads that draft something, right or wrong
+    return model
+
+
+def other_shape(base, **changes) -> MarianMTModel:
+    """A Marian model built in memory from `base`'s config with `changes`; it copies the config's name."""
+    torch.manual_seed(1)
+    return MarianMTModel(MarianConfig(**{**base.config.to_dict(), **changes})).eval()
+
+
+def read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def no_warnings(function):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return function()
+
+
+# --- 1. assistant_model= -----------------------------------------------------------------------------------------
+
+
+def test_assistant_model_is_refused_rather_than_dropped(marian, heads) -> None:
+    batch = random_batch(marian, 2, seed=1)
+    assistant_model = build_model("marian", seed=2)
+    feature = FeatureDrafterModel(marian)
+    calls = [
+        lambda: heads.generate(**batch, assistant_model=assistant_model, max_new_tokens=5),
+        lambda: feature.generate(**batch, assistant_model=assistant_model, max_new_tokens=5),
+        lambda: marian.generate(
+            **batch, assistant_model=assistant_model, max_new_tokens=5, custom_generate=blockwise_generate
+        ),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"assistant_model= .* Pass assistant= .*base_model\.generate"):
+            call()
+    # without blockwise decoding it is transformers' own assisted generation (batch size 1), greedy's output
+    row = {name: tensor[:1] for name, tensor in batch.items()}
+    greedy = marian.generate(**row, max_new_tokens=5)
+    assisted = heads.generate(**row, assistant=None, assistant_model=assistant_model, max_new_tokens=5)
+    assert torch.equal(assisted, greedy)
+
+
+# --- 2. MinimumBlockAcceptance(min_block) past the block size ------------------------------------------------------
+
+
+def test_min_block_larger_than_the_block_size_is_refused(marian, heads) -> None:
+    batch = random_batch(marian, 2, seed=1)
+    with pytest.raises(ValueError, match=r"min_block=10\) forces 10 tokens .* block_size is 4.*min_block <= 4"):
+        heads.generate(**batch, acceptance=MinimumBlockAcceptance(min_block=10), max_new_tokens=5)
+    nested = MinimumBlockAcceptance(MinimumBlockAcceptance(min_block=5), min_block=2)
+    with pytest.raises(ValueError, match=r"min_block=5\) forces 5 tokens"):
+        heads.generate(**batch, acceptance=nested, max_new_tokens=5)
+    output = heads.generate(**batch, acceptance=MinimumBlockAcceptance(min_block=4), max_new_tokens=5)
+    assert output.shape[0] == 2  # min_block == block_size: every draft forced, allowed
+
+
+# --- 3. the other-base check compares weights --------------------------------------------------------------------
+
+
+def test_other_base_check_compares_weights(marian, tmp_path) -> None:
+    base_dir, heads_dir = str(tmp_path / "base"), str(tmp_path / "heads")
+    marian.save_pretrained(base_dir)
+    base = AutoModelForSeq2SeqLM.from_pretrained(base_dir).eval()
+    BlockwiseHeadsModel(base).save_pretrained(heads_dir)
+    assert read_json(os.path.join(heads_dir, CONFIG_NAME))["base_fingerprint"] == weights_fingerprint(base)
+
+    # the same weights saved elsewhere (here in fp16, loaded back as fp32, as the shipped models are): no warning
+    resaved = str(tmp_path / "resaved")
+    save_shipped_model(AutoModelForSeq2SeqLM.from_pretrained(base_dir), resaved)
+    no_warnings(
+        lambda: BlockwiseHeadsModel.from_pretrained(
+            heads_dir, base_model=AutoModelForSeq2SeqLM.from_pretrained(resaved)
+        )
+    )
+
+    # a model of the same shapes built in memory copies the recorded name, but not the weights: warned
+    impostor = other_shape(base)
+    impostor.name_or_path = base.name_or_path
+    with pytest.warns(UserWarning, match="whose weights differ from that base's"):
+        BlockwiseHeadsModel.from_pretrained(heads_dir, base_model=impostor)
+
+
+def test_feature_drafter_other_base_check_compares_weights(marian, tmp_path) -> None:
+    FeatureDrafterModel(marian).save_pretrained(str(tmp_path))
+    no_warnings(lambda: FeatureDrafterModel.from_pretrained(str(tmp_path), base_model=marian))
+    with pytest.warns(UserWarning, match="whose weights differ from that base's"):
+        FeatureDrafterModel.from_pretrained(str(tmp_path), base_model=other_shape(marian))
+
+
+def test_adapter_config_without_fingerprint_falls_back_to_names(marian, tmp_path) -> None:
+    BlockwiseHeadsModel(marian, BlockwiseConfig(base_model_name_or_path="org/base-a")).save_pretrained(str(tmp_path))
+    path = os.path.join(str(tmp_path), CONFIG_NAME)
+    config = read_json(path)
+    del config["base_fingerprint"]  # as written before fingerprints existed
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(config, handle)
+    other = other_shape(marian)
+    other.name_or_path = "org/base-b"
+    with pytest.warns(UserWarning, match="trained for base 'org/base-a' .*compared by name only"):
+        BlockwiseHeadsModel.from_pretrained(str(tmp_path), base_model=other)
+    other.name_or_path = "org/base-a"  # same name, other weights: a name check cannot tell
+    no_warnings(lambda: BlockwiseHeadsModel.from_pretrained(str(tmp_path), base_model=other))
+
+
+# --- 4. a padded batch without attention_mask --------------------------------------------------------------------
+
+
+def test_padding_without_attention_mask_warns_once(marian, heads) -> None:
+    batch = random_batch(marian, 3, seed=1)
+    assert bool((batch["input_ids"] == marian.config.pad_token_id).any())
+    with pytest.warns(UserWarning, match="attention_mask") as record:
+        output = heads.generate(input_ids=batch["input_ids"], max_new_tokens=8)
+    assert sum("attention_mask" in str(warning.message) for warning in record) == 1
+    # the output is still what greedy search gives for the same (unmasked) input
+    assert torch.equal(output, marian.generate(input_ids=batch["input_ids"], max_new_tokens=8))
+    no_warnings(lambda: heads.generate(**batch, max_new_tokens=8))  # with the mask
+    no_warnings(lambda: heads.generate(input_ids=batch["input_ids"][:1], max_new_tokens=8))  # row 0: no padding
+
+
+# --- 5. logits processors that read other rows -------------------------------------------------------------------
+
+
+class BiasRowOneByRowZero(LogitsProcessor):
+    """Boosts, in row 1, the token row 0 ended with: row 1's scores depend on row 0."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.clone()
+        scores[1, input_ids[0, -1]] += 3.0
+        return scores
+
+
+class PenaliseOwnLastToken(LogitsProcessor):
+    """Row-local: lowers each row's own last token, and says so."""
+
+    row_local = True
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return scores.scatter_add(1, input_ids[:, -1:], torch.full_like(scores[:, :1], -2.0))
+
+
+class BiasRowZeroOnItself(LogitsProcessor):
+    """Not declared row-local; at batch 1 it reads its own row only."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.clone()
+        scores[0, input_ids[0, -1]] += 3.0
+        return scores
+
+
+def test_processors_not_known_to_be_row_local_are_refused(marian, heads) -> None:
+    batch = random_batch(marian, 2, seed=1)
+    processors = LogitsProcessorList([BiasRowOneByRowZero()])
+    with pytest.raises(ValueError, match=r"BiasRowOneByRowZero is not known to be row-local.*row_local = True"):
+        heads.generate(**batch, logits_processor=processors, max_new_tokens=10)
+    with pytest.raises(ValueError, match="not known to be row-local"):
+        marian.generate(**batch, logits_processor=processors, max_new_tokens=10, custom_generate=blockwise_generate)
+    # declared row-local, or one of transformers' own: run, and give greedy search's output
+    for processor in (PenaliseOwnLastToken(), RepetitionPenaltyLogitsProcessor(1.5)):
+        processors = LogitsProcessorList([processor])
+        greedy = marian.generate(**batch, logits_processor=processors, max_new_tokens=10)
+        assert torch.equal(heads.generate(**batch, logits_processor=processors, max_new_tokens=10), greedy)
+    # a single row has no other row to read: any processor runs
+    row = random_batch(marian, 1, seed=2)
+    processors = LogitsProcessorList([BiasRowZeroOnItself()])
+    greedy = marian.generate(**row, logits_processor=processors, max_new_tokens=10)
+    assert torch.equal(heads.generate(**row, logits_processor=processors, max_new_tokens=10), greedy)
+
+
+# --- 6. block sizes past what can be allocated or fed --------------------------------------------------------------
+
+
+def test_block_size_past_the_limits_is_refused_early(marian) -> None:
+    for config_class in (BlockwiseConfig, FeatureDrafterConfig):
+        with pytest.raises(ValueError, match=f"block_size must be an int from 2 to {MAX_BLOCK_SIZE}.*got 1000"):
+            config_class(block_size=1000)
+    short = other_shape(marian, max_position_embeddings=8)
+    for wrapper, config in (
+        (BlockwiseHeadsModel, BlockwiseConfig(block_size=10)),
+        (FeatureDrafterModel, FeatureDrafterConfig(block_size=10)),
+    ):
+        with pytest.raises(ValueError, match=r"block_size=10 exceeds the 8 decoder positions .* block_size <= 8"):
+            wrapper(short, config)
+    assert BlockwiseHeadsModel(short, BlockwiseConfig(block_size=8)).blockwise_config.block_size == 8
+
+
+# --- 7. a drafter made for a base of another shape ---------------------------------------------------------------
+
+
+def test_drafter_of_another_shape_is_refused_naming_both(marian, heads, tmp_path) -> None:
+    batch = random_batch(marian, 2, seed=1)
+    wider = other_shape(marian, d_model=48)
+    wide_heads = BlockwiseHeadsModel(wider).drafter()
+    composite = CompositeDrafter(InputCopyDrafter(marian), wide_heads)
+    for drafter in (wide_heads, FeatureDrafterModel(wider).drafter(), composite):
+        with pytest.raises(ValueError, match=r"made for a base with vocab_size=64, hidden_size=48 .* hidden_size=32"):
+            heads.generate(**batch, assistant=drafter, max_new_tokens=5)
+    BlockwiseHeadsModel(wider).save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="hidden_size: heads expect 48, base has 32"), pytest.warns(UserWarning):
+        BlockwiseHeadsModel.from_pretrained(str(tmp_path), base_model=marian)  # warned of other weights, then refused
+
+
+# --- 8, 9. wrapping what is not a loaded model and config ---------------------------------------------------------
+
+
+def test_wrapping_a_path_or_a_dict_gives_type_errors_naming_the_fix(marian) -> None:
+    for wrapper in (BlockwiseHeadsModel, FeatureDrafterModel):
+        with pytest.raises(TypeError, match=rf"got the path 'path'.*{wrapper.__name__}\.from_pretrained\(path\)"):
+            wrapper("path", None)
+        with pytest.raises(TypeError, match=r"got a dict: pass \w+Config\(\*\*config\)"):
+            wrapper(marian, {"block_size": 3})
+        with pytest.raises(TypeError, match="wraps a transformers seq2seq model"):
+            wrapper(42)
+    with pytest.raises(TypeError, match="takes a BlockwiseConfig or None, got FeatureDrafterConfig"):
+        BlockwiseHeadsModel(marian, FeatureDrafterConfig())
+
+
+def test_a_model_on_the_meta_device_is_refused(heads) -> None:
+    with torch.device("meta"):
+        meta = build_model("marian")
+    for call in (lambda: BlockwiseHeadsModel(meta), lambda: FeatureDrafterModel(meta)):
+        with pytest.raises(ValueError, match=r"weights on the meta device .* Load it with from_pretrained"):
+            call()
+    with pytest.raises(ValueError, match="weights on the meta device"):
+        meta.generate(input_ids=torch.tensor([[5, 6, 1]]), custom_generate=blockwise_generate, max_new_tokens=3)
+
+
+# --- 10, 11. generate arguments that transformers drops or plain greedy accepts ------------------------------------
+
+
+def test_stop_strings_with_a_tokenizer_stop_as_greedy_does(marian, heads) -> None:
+    tokenizer = whisper_tokenizer()  # one printable character per token id below 64, as StopStringCriteria needs
+    batch = random_batch(marian, 2, seed=1)
+    full = marian.generate(**batch, max_new_tokens=12)
+    stop = tokenizer.decode([int(full[0, 7])])  # a token greedy search writes in row 0
+    kwargs = {"max_new_tokens": 12, "stop_strings": stop, "tokenizer": tokenizer}
+    greedy = marian.generate(**batch, **kwargs)
+    assert not torch.equal(greedy, full)  # the stop string took effect
+    assert torch.equal(heads.generate(**batch, **kwargs), greedy)
+    assert torch.equal(FeatureDrafterModel(marian).generate(**batch, **kwargs), greedy)
+
+
+def test_fractional_max_new_tokens_gives_greedy_output(marian, heads) -> None:
+    batch = random_batch(marian, 2, seed=1)
+    for max_new_tokens in (2.5, 5.01):
+        greedy = marian.generate(**batch, max_new_tokens=max_new_tokens)
+        assert torch.equal(heads.generate(**batch, max_new_tokens=max_new_tokens), greedy)
+
+
+# --- 12. speech features of another shape --------------------------------------------------------------------------
+
+
+def test_whisper_features_with_the_wrong_mel_bins_name_the_expected_number() -> None:
+    whisper = build_media_model("whisper")
+    model = BlockwiseHeadsModel(whisper)
+    features = media_batch("whisper", 2, seed=0)["input_features"]  # (2, 8, 100)
+    with pytest.raises(ValueError, match=r"input_features has 7 mel bins .* takes num_mel_bins=8"):
+        model.generate(input_features=features[:, :7], max_new_tokens=4)
+    with pytest.raises(ValueError, match="num_mel_bins=8"):
+        model.generate(features[:, :7], max_new_tokens=4)
+    greedy = whisper.generate(input_features=features, max_new_tokens=4)
+    assert torch.equal(model.generate(input_features=features, max_new_tokens=4), greedy)

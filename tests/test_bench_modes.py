@@ -1,0 +1,73 @@
+"""Bench mode names parse once into a frozen `Mode`, and drafters come from one factory
+(`hf_blockwise.loading.build_drafter`) that names what a model lacks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from conftest import build_model
+
+from hf_blockwise import InputCopyDrafter
+from hf_blockwise.loading import LoadedModel, build_drafter, missing_drafter
+from hf_blockwise.tools.bench import MODE_NAMES, Mode
+
+
+def test_every_listed_mode_parses_and_keeps_its_name() -> None:
+    for name in MODE_NAMES:
+        assert Mode.parse(name).name == name
+
+
+@pytest.mark.parametrize(
+    ("name", "family", "compiled", "int8", "block_size", "threshold", "reference"),
+    [
+        ("greedy", "greedy", False, False, None, "config", "greedy"),
+        ("greedy_int8", "greedy", False, True, None, "config", "greedy_int8"),
+        ("heads_int8", "heads", False, True, None, "config", "greedy_int8"),
+        ("greedy_compiled", "greedy", True, False, None, "config", "greedy"),
+        ("hf_greedy_compiled", "hf_greedy", True, False, None, "config", "greedy"),
+        ("heads_compiled", "heads", True, False, None, "config", "greedy_compiled"),
+        ("oracle_k4_compiled", "oracle", True, False, 4, "config", "greedy_compiled"),
+        ("heads_k3", "heads", False, False, 3, None, "greedy"),
+        ("feature_k6_t0.3", "feature", False, False, 6, 0.3, "greedy"),
+        ("feature_t0.5", "feature", False, False, None, 0.5, "greedy"),
+        ("seq_heads_k2_compiled", "seq_heads", True, False, 2, None, "greedy_compiled"),
+        ("ct2_int8", "ct2", False, True, None, "config", "greedy"),  # another engine, compared with float greedy
+    ],
+)
+def test_mode_fields(name, family, compiled, int8, block_size, threshold, reference) -> None:
+    mode = Mode.parse(name)
+    assert (mode.family, mode.compiled, mode.int8, mode.block_size, mode.threshold) == (
+        family, compiled, int8, block_size, threshold,
+    )  # fmt: skip
+    assert mode.reference == reference
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        mode.family = "other"  # type: ignore[misc]
+
+
+def test_mode_properties() -> None:
+    assert Mode.parse("iad_realign").drafter == "input_copy" and Mode.parse("gad_pp").drafter == "nar"
+    assert Mode.parse("beam4").drafter is None
+    assert Mode.parse("ct2_int8").ct2_compute_type == "int8" and Mode.parse("ct2").ct2_compute_type == "float32"
+    assert not Mode.parse("ct2_int8").on_int8_model and Mode.parse("iad_int8").on_int8_model
+    assert Mode.parse("assisted").batch_one_only and not Mode.parse("heads").batch_one_only
+    assert Mode.parse("oracle_compiled").at_block_size(3) == Mode.parse("oracle_k3_compiled")
+
+
+@pytest.mark.parametrize("name", ["beam4_compiled", "heads_k3_int8", "feature_t0.3.4", "loop_int8", "nope"])
+def test_unknown_modes_are_refused(name: str) -> None:
+    with pytest.raises(ValueError, match=f"Unknown mode {name!r}"):
+        Mode.parse(name)
+
+
+def test_the_drafter_factory_names_what_a_model_lacks() -> None:
+    loaded = LoadedModel(base=build_model("marian", seed=0), tokenizer=None)
+    assert build_drafter("none", loaded) is None
+    assert isinstance(build_drafter("input_copy", loaded), InputCopyDrafter)
+    assert missing_drafter("input_copy", loaded) is None
+    for name, lacks in (("heads", "proposal heads"), ("feature", "feature drafter"), ("nar", "NAR drafter")):
+        assert lacks in missing_drafter(name, loaded)
+        with pytest.raises(ValueError, match=f"drafter '{name}': the model has no {lacks}"):
+            build_drafter(name, loaded)
+    with pytest.raises(ValueError, match="unknown drafter 'beam'"):
+        build_drafter("beam", loaded)

@@ -1,0 +1,65 @@
+"""The library sits below its tools: importing `hf_blockwise` (its public API, the corpus job and the evaluation
+harness included) loads nothing from `hf_blockwise.tools` (bench, CLI). The import-linter contract in
+pyproject.toml keeps the library's packages from importing the tools; this test covers the package's own
+`__init__` too, in a fresh interpreter."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import hf_blockwise
+
+# The house rule for the package's code: a function longer than this is split into named helpers.
+MAX_FUNCTION_LINES = 60
+
+TOOLS_LOADED = "import hf_blockwise, sys; print([m for m in sys.modules if m.startswith('hf_blockwise.tools')])"
+
+
+def test_importing_the_library_loads_no_tool() -> None:
+    printed = subprocess.run([sys.executable, "-c", TOOLS_LOADED], capture_output=True, text=True, check=True).stdout
+    assert printed.strip() == "[]"
+
+
+def test_the_public_api_comes_from_the_library() -> None:
+    for name in hf_blockwise.__all__:
+        module = getattr(getattr(hf_blockwise, name), "__module__", "")
+        assert not module.startswith("hf_blockwise.tools"), f"{name} comes from {module}"
+
+
+def long_functions(source: str, limit: int) -> list[tuple[str, int]]:
+    """(qualified name, length) of every function or method in `source` longer than `limit` lines, from `def` to
+    its last line (decorators not counted), nested functions included."""
+    found = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = prefix
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}."
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = child.end_lineno - child.lineno + 1
+                if length > limit:
+                    found.append((name[:-1], length))
+            visit(child, name)
+
+    visit(ast.parse(source), "")
+    return found
+
+
+def test_long_functions_measures_def_to_last_line() -> None:
+    source = "class A:\n    @staticmethod\n    def f():\n" + "        x = 1\n" * 5 + "def g():\n    pass\n"
+    assert long_functions(source, 5) == [("A.f", 6)]
+    assert long_functions(source, 6) == []
+
+
+def test_no_function_in_the_package_is_over_the_limit() -> None:
+    package = Path(hf_blockwise.__file__).parent
+    too_long = [
+        f"{path.relative_to(package)}: {name} ({length} lines)"
+        for path in sorted(package.rglob("*.py"))
+        for name, length in long_functions(path.read_text(encoding="utf-8"), MAX_FUNCTION_LINES)
+    ]
+    assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines, split them into named helpers: {too_long}"
