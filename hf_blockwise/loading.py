@@ -79,7 +79,8 @@ class LoadedModel:
 
     def to(self, device: torch.device | str) -> LoadedModel:
         """Moves every loaded model to `device` (in place, as `nn.Module.to` does); returns `self`."""
-        for model in (self.base, self.heads_model, self.feature_model, self.sequential_heads_model, self.nar_model):
+        models = (self.base, self.heads_model, self.feature_model, self.sequential_heads_model, self.nar_model)
+        for model in (*models, self.assistant_model):
             if model is not None:
                 model.to(device)
         return self

@@ -24,7 +24,7 @@ from hf_blockwise import (
     MinimumBlockAcceptance,
     blockwise_generate,
 )
-from hf_blockwise.boundary import save_shipped_model, weights_fingerprint
+from hf_blockwise.boundary import base_weights_fingerprint, save_shipped_model
 from hf_blockwise.modeling.config import CONFIG_NAME, MAX_BLOCK_SIZE
 
 
@@ -104,7 +104,7 @@ def test_other_base_check_compares_weights(marian, tmp_path) -> None:
     marian.save_pretrained(base_dir)
     base = AutoModelForSeq2SeqLM.from_pretrained(base_dir).eval()
     BlockwiseHeadsModel(base).save_pretrained(heads_dir)
-    assert read_json(os.path.join(heads_dir, CONFIG_NAME))["base_fingerprint"] == weights_fingerprint(base)
+    assert read_json(os.path.join(heads_dir, CONFIG_NAME))["base_fingerprint"] == base_weights_fingerprint(base)
 
     # the same weights saved elsewhere (here in fp16, loaded back as fp32, as the shipped models are): no warning
     resaved = str(tmp_path / "resaved")

@@ -4,6 +4,7 @@ through it, a save that fails midway leaves the previous one intact, and wrong o
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from conftest import build_model
 from safetensors.torch import save_file
 from torch import nn
+from transformers import AutoModelForSeq2SeqLM
 
 from hf_blockwise import (
     BlockwiseConfig,
@@ -233,3 +235,19 @@ def test_a_missing_weights_file_is_a_clear_error(tmp_path, kind: str) -> None:
     (tmp_path / weights).unlink()
     with pytest.raises(FileNotFoundError, match=rf"holds no {weights}"):
         adapter.load(tmp_path)
+
+
+def test_heads_saved_with_their_base_record_its_weights_as_they_are_now(tmp_path) -> None:
+    """Full fine-tuning trains the base after the heads were attached: the checkpoint's fingerprint is the trained
+    base's, so attaching the heads to that base again gives no "other base" warning."""
+    model = BlockwiseHeadsModel(build_model("marian", seed=1), BlockwiseConfig(block_size=3))
+    recorded_at_attach = model.blockwise_config.base_fingerprint
+    with torch.no_grad():
+        model.base_model.get_output_embeddings().weight.add_(0.5)  # what training the base does to it
+    model.save_pretrained(tmp_path, include_base=True)
+    trained_base = AutoModelForSeq2SeqLM.from_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = BlockwiseHeadsModel.from_pretrained(tmp_path, base_model=trained_base)
+    assert loaded.blockwise_config.base_fingerprint != recorded_at_attach
+    assert loaded.blockwise_config.base_model_name_or_path == os.path.abspath(tmp_path)

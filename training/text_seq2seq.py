@@ -169,13 +169,22 @@ def build_optimizer(model: MarianMTModel, lr: float, weight_decay: float) -> tor
     return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9, weight_decay=weight_decay)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup to the peak LR over ``warmup_steps``, then inverse-square-root decay."""
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, anneal: tuple[int, int] | None = None
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup to the peak LR over ``warmup_steps``, then inverse-square-root decay; with ``anneal`` =
+    (start, end), the rate also falls linearly from its value at step ``start`` to 0 at step ``end`` (a run resumed
+    with it ends on a cooled-down model, which the inverse-square-root decay alone never reaches)."""
     warmup = max(1, warmup_steps)
+    if anneal is not None and (len(anneal) != 2 or not 0 <= anneal[0] < anneal[1]):
+        raise ValueError(f"anneal steps must be 0 <= start < end, got {anneal}")
 
     def factor(step: int) -> float:
         step = max(1, step)
-        return min(step / warmup, math.sqrt(warmup / step))
+        rate = min(step / warmup, math.sqrt(warmup / step))
+        if anneal is not None and step > anneal[0]:
+            rate *= max(0.0, (anneal[1] - step) / (anneal[1] - anneal[0]))
+        return rate
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -289,6 +298,7 @@ class LoopFlags(Protocol):
     clip_norm: float
     save_every: int
     bf16: bool
+    anneal_steps: list[int]
 
 
 def run_training(
@@ -305,7 +315,8 @@ def run_training(
     one JSON line. Returns the progress and the log.
     """
     optimizer = build_optimizer(model, flags.lr, flags.weight_decay)
-    scheduler = build_scheduler(optimizer, flags.warmup_steps)
+    anneal = tuple(flags.anneal_steps) if flags.anneal_steps else None
+    scheduler = build_scheduler(optimizer, flags.warmup_steps, anneal)
     progress, log = Progress(), {"epochs": []}
     if state_path.exists():
         progress, log = load_state(state_path, model, optimizer, scheduler)

@@ -62,6 +62,7 @@ from hf_blockwise.boundary.generate_call import (
 from hf_blockwise.boundary.hub import (
     adapter_base,
     base_location,
+    base_weights_fingerprint,
     check_local_path,
     has_file,
     load_encoder_decoder,
@@ -70,7 +71,6 @@ from hf_blockwise.boundary.hub import (
     same_fingerprint,
     save_shipped_model,
     warn_if_other_base,
-    weights_fingerprint,
 )
 from hf_blockwise.boundary.inputs import (
     check_block_size_fits,
@@ -128,6 +128,7 @@ __all__ = [
     "adapt_generate_call",
     "adapter_base",
     "base_location",
+    "base_weights_fingerprint",
     "capture_output_projection_input",
     "check_block_size_fits",
     "check_decoder_length",
@@ -193,5 +194,4 @@ __all__ = [
     "validate_segment_options",
     "warn_if_other_base",
     "warn_unmasked_padding",
-    "weights_fingerprint",
 ]

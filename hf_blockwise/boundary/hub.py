@@ -2,10 +2,9 @@
 
 A checkpoint's files ([`has_file`], [`resolve_file`]) and a clear error for local-looking paths that do not exist
 ([`check_local_path`]); where an adapter's (heads', drafter's) recorded base is, and the base it attaches to
-([`base_location`], [`resolved_base_location`], [`warn_if_other_base`] by [`weights_fingerprint`], [`adapter_base`]);
-the auto class that
-loads an encoder-decoder checkpoint ([`load_encoder_decoder`]); and the format of the models shipped in the
-repository ([`save_shipped_model`]).
+([`base_location`], [`resolved_base_location`], [`warn_if_other_base`] by [`base_weights_fingerprint`],
+[`adapter_base`]); the auto class that loads an encoder-decoder checkpoint ([`load_encoder_decoder`]); and the
+format of the models shipped in the repository ([`save_shipped_model`]).
 """
 
 from __future__ import annotations
@@ -104,7 +103,7 @@ _FINGERPRINT_SIZE = 16
 _FINGERPRINT_RTOL = 1e-2
 
 
-def weights_fingerprint(model: nn.Module) -> list[float] | None:
+def base_weights_fingerprint(model: nn.Module) -> list[float] | None:
     """A few weights of a base's output projection, at fixed evenly spaced positions: what an adapter records of the
     base it was made for, so that attaching it to another base with the same shapes can be noticed.
 
@@ -120,9 +119,14 @@ def weights_fingerprint(model: nn.Module) -> list[float] | None:
 
 
 def same_fingerprint(recorded: list[float], actual: list[float]) -> bool:
-    """Whether two [`weights_fingerprint`]s are of the same weights, up to fp16/bf16 rounding."""
-    return len(recorded) == len(actual) and all(
-        abs(a - b) <= _FINGERPRINT_RTOL * max(abs(a), abs(b)) + 1e-8 for a, b in zip(recorded, actual, strict=True)
+    """Whether two [`base_weights_fingerprint`]s are of the same weights, up to fp16/bf16 rounding."""
+    if len(recorded) != len(actual):
+        return False
+    # fp16 rounds tiny (subnormal) weights by up to its smallest step, 2 ** -24, more than 2 ** -8 of them; the
+    # absolute term covers that and stays far below the size of the sample's weights
+    atol = max(1e-7, 1e-4 * max((abs(value) for value in recorded), default=0.0))
+    return all(
+        abs(a - b) <= _FINGERPRINT_RTOL * max(abs(a), abs(b)) + atol for a, b in zip(recorded, actual, strict=True)
     )
 
 
@@ -132,12 +136,12 @@ def warn_if_other_base(
     """Warns when an adapter made for one base is attached to another: same shapes are not the same model, and its
     drafts would rarely be accepted (decoding stays exact).
 
-    With the `fingerprint` the adapter's config recorded ([`weights_fingerprint`]), the weights are compared, so a
+    With the `fingerprint` the adapter's config recorded ([`base_weights_fingerprint`]), the weights are compared, so a
     model built in memory under the same name is noticed and the same weights saved elsewhere are not. Configs
     written before fingerprints existed are compared by name only (local directories by their real paths, hub
     names as written), and the warning says so; so are bases whose weights cannot be fingerprinted (quantized).
     """
-    actual_weights = None if fingerprint is None else weights_fingerprint(base_model)
+    actual_weights = None if fingerprint is None else base_weights_fingerprint(base_model)
     actual = getattr(base_model, "name_or_path", "") or ""
     if fingerprint is not None and actual_weights is not None:
         if not same_fingerprint(fingerprint, actual_weights):
@@ -155,10 +159,15 @@ def warn_if_other_base(
     else:
         same = recorded.rstrip("/") == actual.rstrip("/")
     if not same:
+        why = (
+            "this adapter config records no base_fingerprint; save it again to record one"
+            if fingerprint is None
+            else "the base's output projection has no floating-point weights to fingerprint"
+        )
         warnings.warn(
             f"These {what} were trained for base {recorded!r} and are attached to {actual!r}: decoding stays exact, "
-            "but their drafts will rarely be accepted unless the two are the same model (compared by name only: "
-            "this adapter config records no base_fingerprint; save it again to record one)",
+            f"but their drafts will rarely be accepted unless the two are the same model (compared by name only: "
+            f"{why})",
             stacklevel=4,
         )
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from transformers.generation import GenerationConfig
 from transformers.generation.logits_process import (
+    ClassifierFreeGuidanceLogitsProcessor,
     ForcedBOSTokenLogitsProcessor,
     ForcedEOSTokenLogitsProcessor,
     MinLengthLogitsProcessor,
@@ -95,7 +96,10 @@ def processor_acts_at(processor: Any, length: int) -> bool:
 
 def is_row_local(processor: Any) -> bool:
     """Whether a logits processor is known to compute each row's scores from that row's data only: transformers'
-    own processors (defined in a `transformers` module), or one that declares `row_local = True`."""
+    own processors (defined in a `transformers` module) but classifier-free guidance, which mixes the two halves of
+    the batch, or one that declares `row_local = True`."""
+    if isinstance(processor, ClassifierFreeGuidanceLogitsProcessor):
+        return False
     return type(processor).__module__.split(".")[0] == "transformers" or getattr(processor, "row_local", False) is True
 
 

@@ -33,8 +33,8 @@ class AdapterCheckpointMixin:
     - `load_adapter(model, checkpoint_dir)`: load what `save_adapter` wrote into the (unwrapped) model.
 
     Beside the model, a checkpoint holds the `processing_class` (when given) and the training arguments, as
-    transformers writes them. Checkpoints of sharded models (FSDP, DeepSpeed ZeRO-3, SageMaker MP), which
-    transformers hands over as a gathered `state_dict`, are not supported and refused.
+    transformers writes them. Checkpoints of sharded models (FSDP, DeepSpeed ZeRO-3, SageMaker MP), whose local
+    parameters are empty, are not supported and refused.
     """
 
     def save_adapter(self, model: nn.Module, output_dir: str) -> None:
@@ -44,15 +44,18 @@ class AdapterCheckpointMixin:
         raise NotImplementedError(f"{type(self).__name__} must implement load_adapter(model, checkpoint_dir)")
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        if state_dict is not None:
+        model = self.accelerator.unwrap_model(self.model)
+        # transformers hands a gathered state_dict for DeepSpeed (ZeRO 1/2 hold whole weights on every process, so
+        # the unwrapped model saves as it is) and for sharded models, whose local parameters are empty
+        if state_dict is not None and any(parameter.numel() == 0 for parameter in model.parameters()):
             raise ValueError(
-                f"{type(self).__name__} saves its model with save_adapter and cannot save a gathered state_dict "
-                "(FSDP, DeepSpeed, SageMaker model parallelism); train on one device or with DDP"
+                f"{type(self).__name__} saves its model with save_adapter and cannot save sharded parameters "
+                "(FSDP, DeepSpeed ZeRO-3, SageMaker model parallelism); train on one device, with DDP or ZeRO 1/2"
             )
         output_dir = self.args.output_dir if output_dir is None else output_dir
         if not self.args.should_save:
             return
-        self.save_adapter(self.accelerator.unwrap_model(self.model), output_dir)
+        self.save_adapter(model, output_dir)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         atomic_write(os.path.join(output_dir, TRAINING_ARGS_NAME), lambda path: torch.save(self.args, path))

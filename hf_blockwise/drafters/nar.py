@@ -142,6 +142,11 @@ class NonAutoregressiveDrafter(Drafter):
         verifier: nn.Module | None = None,
         use_cache: bool = True,
     ) -> None:
+        if not hasattr(model, "nar_config") or not isinstance(getattr(model, "model", None), nn.Module):
+            raise TypeError(
+                "NonAutoregressiveDrafter takes a NARDrafterModel (NARDrafterModel.from_pretrained(path) or "
+                f".from_verifier(base, ...)), got {type(model).__name__}"
+            )
         config = model.nar_config
         model = model.model
         hf.encoder_decoder_only(model)

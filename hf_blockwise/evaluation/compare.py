@@ -68,7 +68,7 @@ def compare_to_greedy(
     acceptance: Any = None,
     base_model: nn.Module | None = None,
     batch_size: int = 1,
-    max_new_tokens: int = 128,
+    max_new_tokens: int | None = None,
     progress: bool = True,
 ) -> Comparison:
     """Decodes `sources` with the base's greedy `generate` and with blockwise decoding, batch by batch, through
@@ -81,6 +81,8 @@ def compare_to_greedy(
             exists, else `model`).
         assistant ([`Drafter`]): what drafts.
         batch_size (`int`): sentences per `generate` call (padded).
+        max_new_tokens (`int`, *optional*): the length limit of both; default: the checkpoint's `generation_config`,
+            as `generate()` without arguments.
 
     Returns:
         [`Comparison`].
@@ -98,11 +100,12 @@ def compare_to_greedy(
     ]
     for batch in batches:  # an over-long source is a clear error before anything is decoded
         hf.check_generate_inputs(base, (), batch)
+    length = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
     runners = {
-        "greedy": lambda batch, _: base.generate(**batch, do_sample=False, num_beams=1, max_new_tokens=max_new_tokens),
+        "greedy": lambda batch, _: base.generate(**batch, do_sample=False, num_beams=1, **length),
         "blockwise": lambda batch, _: base.generate(
             **batch, custom_generate=blockwise_generate, assistant=assistant, acceptance=acceptance,
-            max_new_tokens=max_new_tokens, return_dict_in_generate=True,
+            return_dict_in_generate=True, **length,
         ),
     }  # fmt: skip
     results = measure(

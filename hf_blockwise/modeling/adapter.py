@@ -44,10 +44,10 @@ def check_base_signature(config: Any, signature: dict[str, Any], expects: str, r
 def base_identity(config: Any, base_model: nn.Module) -> dict[str, Any]:
     """The config fields that name the base an adapter is made for, filled from `base_model` where `config` leaves
     them empty: its checkpoint (`base_model_name_or_path`, `None` for a model built in memory) and the fingerprint
-    of its weights (`base_fingerprint`, [`weights_fingerprint`])."""
+    of its weights (`base_fingerprint`, [`base_weights_fingerprint`])."""
     return {
         "base_model_name_or_path": config.base_model_name_or_path or getattr(base_model, "name_or_path", None) or None,
-        "base_fingerprint": config.base_fingerprint or hf.weights_fingerprint(base_model),
+        "base_fingerprint": config.base_fingerprint or hf.base_weights_fingerprint(base_model),
     }
 
 

@@ -25,7 +25,7 @@ def check_block_size(block_size: object) -> None:
 
 
 def check_fingerprint(fingerprint: object) -> None:
-    """A `ValueError` unless `fingerprint` is `None` or a list of numbers (see `boundary.weights_fingerprint`)."""
+    """A `ValueError` unless `fingerprint` is `None` or a list of numbers (see `boundary.base_weights_fingerprint`)."""
     if fingerprint is None:
         return
     if not isinstance(fingerprint, list) or not all(

@@ -257,14 +257,17 @@ class BlockwiseHeadsModel(AdapterModelMixin, BaseModelWrapper):
             base_model_name_or_path (`str`, *optional*): base to record instead of the current one.
             dtype (`torch.dtype`, *optional*): store the head weights in this dtype (e.g. `torch.float16`).
             include_base (`bool`, defaults to `False`): also write the base, in transformers' format, into the
-                same directory and record it as `"."` (unless `base_model_name_or_path` says otherwise), so that
-                the directory loads as one piece (a checkpoint of full fine-tuning).
+                same directory and record it as `"."` (unless `base_model_name_or_path` says otherwise), with the
+                fingerprint of its weights as they are now, so that the directory loads as one piece (a checkpoint
+                of full fine-tuning).
         """
         config = self.blockwise_config
         if include_base and base_model_name_or_path is None:
             base_model_name_or_path = "."
         if base_model_name_or_path is not None:
             config = dataclasses.replace(config, base_model_name_or_path=base_model_name_or_path)
+        if include_base:  # the base saved beside the heads may have been trained since they were attached
+            config = dataclasses.replace(config, base_fingerprint=hf.base_weights_fingerprint(self.base_model))
         # PEFT's `save_pretrained` writes only the adapter of a PEFT model, transformers' the whole model
         write_beside = [self.base_model.save_pretrained] if include_base or _is_peft_model(self.base_model) else []
         save_adapter(

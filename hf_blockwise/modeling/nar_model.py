@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForSeq2SeqLM, PreTrainedModel
 
 from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.nar import NonAutoregressiveDrafter, check_same_vocabulary
+from hf_blockwise.modeling.config import check_block_size
 from hf_blockwise.serialization import JsonConfigMixin, atomic_write_text, load_adapter_weights, save_adapter
 
 NAR_CONFIG_NAME = "nar_drafter_config.json"
@@ -53,8 +54,7 @@ class NARDrafterConfig(JsonConfigMixin):
     file_name: ClassVar[str] = NAR_CONFIG_NAME
 
     def __post_init__(self) -> None:
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 2:
-            raise ValueError(f"block_size must be an int >= 2, got {self.block_size!r}")
+        check_block_size(self.block_size)
         if isinstance(self.mask_token_id, bool) or not isinstance(self.mask_token_id, int) or self.mask_token_id < 0:
             raise ValueError(f"mask_token_id must be a non-negative int, got {self.mask_token_id!r}")
         if self.verifier_name_or_path is not None and not isinstance(self.verifier_name_or_path, str):
