@@ -28,7 +28,7 @@ from hf_blockwise.modeling.config import CONFIG_NAME, FEATURE_DRAFTER_CONFIG_NAM
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
 from hf_blockwise.modeling.model import BlockwiseHeadsModel
 from hf_blockwise.modeling.nar_model import NAR_CONFIG_NAME, NARDrafterModel
-from hf_blockwise.modeling.quantization import quantize_dynamic_int8
+from hf_blockwise.modeling.quantization import quantize_dynamic_int8, quantize_linears_int8
 
 # where a model directory keeps its other drafters, if it ships them
 NAR_DRAFTER_SUBDIR = "nar-drafter"
@@ -66,15 +66,21 @@ class LoadedModel:
     assistant_model: nn.Module | None = None
 
     def int8_copy(self) -> LoadedModel:
-        """An int8 dynamically quantized copy of the base (with its heads, when there are some); the other drafters
-        and the assistant are left out, since they were made for the float base."""
+        """An int8 quantized copy of the base (with its heads, when there are some) and of its feature drafter (its
+        layer quantized too, drafting from the int8 base's states); the other drafters and the assistant are left
+        out, since they were made for the float base."""
         source = self.heads_model if self.heads_model is not None else self.base
         quantized = quantize_dynamic_int8(copy.deepcopy(source))
         heads_model = quantized if self.heads_model is not None else None
         base = quantized.base_model if heads_model is not None else quantized
+        feature_model = None
+        if self.feature_model is not None:
+            # a copy that shares the quantized base instead of copying the float one
+            feature_model = copy.deepcopy(self.feature_model, memo={id(self.base): base})
+            quantize_linears_int8(feature_model.layer)
         return dataclasses.replace(
             self, base=base, heads_model=heads_model, assistant_model=None, sequential_heads_model=None,
-            feature_model=None, nar_model=None,
+            feature_model=feature_model, nar_model=None,
         )  # fmt: skip
 
     def to(self, device: torch.device | str) -> LoadedModel:
@@ -109,7 +115,8 @@ def load_model(
         assistant_path (`str`, *optional*): a small seq2seq model (or a NAR drafter directory) for assisted
             generation.
         nar_drafter_path, feature_drafter_path, sequential_heads_path (`str`, *optional*): drafters saved elsewhere.
-        int8 (`bool`): quantize the base (with its heads) to int8 before the drafters are put on it (CPU).
+        int8 (`bool`): quantize the base (with its heads) to int8 before the drafters are put on it, and the feature
+            drafter's layer with it (CPU).
     """
     for what, path in (
         ("model_path", model_path), ("assistant_path", assistant_path), ("nar_drafter_path", nar_drafter_path),
@@ -135,8 +142,7 @@ def load_model(
     )
     return LoadedModel(
         base=base, tokenizer=tokenizer, feature_extractor=feature_extractor, heads_model=heads_model,
-        feature_model=_load_if(feature_drafter_path, lambda path: FeatureDrafterModel.from_pretrained(
-            path, base_model=base).eval()),
+        feature_model=_load_if(feature_drafter_path, lambda path: _load_feature_drafter(path, base, int8)),
         sequential_heads_model=_load_if(sequential_heads_path, lambda path: BlockwiseHeadsModel.from_pretrained(
             path, base_model=base).eval()),
         nar_model=_load_if(nar_drafter_path, lambda path: NARDrafterModel.from_pretrained(
@@ -152,6 +158,14 @@ def _load_base(model_path: str) -> tuple[nn.Module | None, nn.Module]:
         heads_model = BlockwiseHeadsModel.from_pretrained(model_path, dtype=torch.float32).eval()
         return heads_model, heads_model.base_model
     return None, hf.load_encoder_decoder(model_path, dtype=torch.float32).eval()
+
+
+def _load_feature_drafter(path: str, base: nn.Module, int8: bool) -> FeatureDrafterModel:
+    """The feature drafter at `path` on `base`; with `int8`, its layer quantized like the base."""
+    model = FeatureDrafterModel.from_pretrained(path, base_model=base).eval()
+    if int8:
+        quantize_linears_int8(model.layer)
+    return model
 
 
 def _load_if(path: str | None, load: Callable[[str], Any]) -> Any:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates every benchmark figure quoted in docs/results.md (about 40 minutes on a 2-core CPU; run it on an
+# Regenerates every benchmark figure quoted in docs/results.md (about 75 minutes on a 2-core CPU; run it on an
 # otherwise idle machine: timings are ratios measured in the same run, but a busy machine skews them).
 # Needs the offline data sets in ../shared/data beside the repository, and `pip install -e .[ctranslate2]` for the
 # CTranslate2 rows.
@@ -8,6 +8,44 @@ cd "$(dirname "$0")/.."
 data=../shared/data
 mt=hf_blockwise/pretrained/multi30k-en-de
 gec=hf_blockwise/pretrained/gec-en
+
+base=hf_blockwise/pretrained/marian-base-en-de
+
+# issue 26: the realistic base (opus-mt-en-de's decoder shape) with its drafters, exact int8 and CTranslate2 side by
+# side (2 threads each), Multi30k test_2016 and Europarl validation, batch 1 and 16
+for set in multi30k europarl; do
+    if [ $set = multi30k ]; then
+        src=$data/multi30k/test_2016_flickr.en.gz; ref=$data/multi30k/test_2016_flickr.de.gz
+    else
+        src=$data/europarl_de_en/validation.en; ref=$data/europarl_de_en/validation.de
+    fi
+    hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 100 --batch-sizes 1 \
+        --threads 2 --modes greedy greedy_compiled greedy_int8 greedy_int8_compiled feature feature_compiled \
+        feature_int8_compiled heads_compiled heads_int8_compiled oracle_compiled ct2 ct2_int8 \
+        --oracle-block-sizes 4 --out docs/bench/marian-base-$set-b1
+    hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 96 --batch-sizes 16 \
+        --threads 2 --modes greedy greedy_compiled greedy_int8_compiled feature_compiled feature_int8_compiled \
+        oracle_compiled ct2 ct2_int8 --oracle-block-sizes 4 --out docs/bench/marian-base-$set-b16
+done
+# the exact int8 path: eager int8 drafting against eager int8 greedy, both sets, batch 1
+for set in multi30k europarl; do
+    if [ $set = multi30k ]; then
+        src=$data/multi30k/test_2016_flickr.en.gz; ref=$data/multi30k/test_2016_flickr.de.gz
+    else
+        src=$data/europarl_de_en/validation.en; ref=$data/europarl_de_en/validation.de
+    fi
+    hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 100 --batch-sizes 1 \
+        --threads 2 --modes greedy greedy_int8 feature_int8 heads_int8 --out docs/bench/marian-base-$set-int8-eager
+done
+# its decoder cost curve (eager and compiled, 1..8 tokens), the step profile (float32 and int8) and peak memory
+hf-blockwise bench --model $base --source-file $data/multi30k/test_2016_flickr.en.gz --sentences 3 --batch-sizes 1 \
+    --threads 2 --modes greedy --cost-curve --cost-curve-max-tokens 8 --out docs/bench/marian-base-cost-curve
+python scripts/step_profile.py --model $base --source-file $data/multi30k/test_2016_flickr.en.gz --sentences 50 \
+    --threads 2
+python scripts/step_profile.py --model $base --source-file $data/multi30k/test_2016_flickr.en.gz --sentences 50 \
+    --threads 2 --int8 --modes greedy_compiled feature_compiled
+python scripts/peak_memory.py --model $base --source-file $data/multi30k/test_2016_flickr.en.gz --modes greedy \
+    greedy_compiled greedy_int8_compiled feature_compiled feature_int8_compiled ct2 ct2_int8
 
 # the compiled engine (issue 18): every compiled mode beside eager greedy, the eager loop and drafter, transformers'
 # own compiled greedy and CTranslate2, batch 1

@@ -18,12 +18,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 from hf_blockwise import blockwise_generate
 from hf_blockwise.drafters.feature import FeatureDrafter
 from hf_blockwise.generation import loop, step
-from hf_blockwise.modeling.feature_model import FeatureDrafterModel
+from hf_blockwise.loading import load_model
 from hf_blockwise.tools.bench import read_lines
 
 MODES = ("greedy", "greedy_compiled", "feature", "feature_compiled")
@@ -78,14 +77,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=None, help="the feature drafter's k (default: its config's)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--int8", action="store_true", help="the int8 model (base and drafter quantized)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    base = AutoModelForSeq2SeqLM.from_pretrained(args.model).eval()
-    feature = FeatureDrafterModel.from_pretrained(f"{args.model}/feature-drafter", base_model=base).eval()
-    drafter = feature.drafter(block_size=args.block_size)
+    loaded = load_model(args.model, int8=args.int8)
+    if loaded.feature_model is None:
+        raise SystemExit(f"{args.model} ships no feature-drafter/ folder")
+    base, tokenizer = loaded.base, loaded.tokenizer
+    drafter = loaded.feature_model.drafter(block_size=args.block_size)
     sources = read_lines(args.source_file)[: args.sentences]
-    print(f"ms per sentence, {len(sources)} sentences, batch 1, {args.threads} threads, k = {drafter.block_size}")
+    print(
+        f"ms per sentence, {len(sources)} sentences, batch 1, {args.threads} threads, k = {drafter.block_size}, "
+        f"{'int8' if args.int8 else 'float32'}"
+    )
     print("| mode | verification | drafting | bookkeeping | generate (fixed) | total |")
     print("|---|---|---|---|---|---|")
     for mode in args.modes:

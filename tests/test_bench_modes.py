@@ -10,7 +10,8 @@ from conftest import build_model
 
 from hf_blockwise import InputCopyDrafter
 from hf_blockwise.loading import LoadedModel, build_drafter, missing_drafter
-from hf_blockwise.tools.bench import MODE_NAMES, Mode
+from hf_blockwise.modeling.feature_model import FeatureDrafterModel
+from hf_blockwise.tools.bench import MODE_NAMES, BenchSetup, Mode, available_modes
 
 
 def test_every_listed_mode_parses_and_keeps_its_name() -> None:
@@ -33,6 +34,9 @@ def test_every_listed_mode_parses_and_keeps_its_name() -> None:
         ("feature_t0.5", "feature", False, False, None, 0.5, "greedy"),
         ("seq_heads_k2_compiled", "seq_heads", True, False, 2, None, "greedy_compiled"),
         ("ct2_int8", "ct2", False, True, None, "config", "greedy"),  # another engine, compared with float greedy
+        ("greedy_int8_compiled", "greedy", True, True, None, "config", "greedy_int8"),
+        ("feature_int8_compiled", "feature", True, True, None, "config", "greedy_int8_compiled"),
+        ("feature_int8", "feature", False, True, None, "config", "greedy_int8"),
     ],
 )
 def test_mode_fields(name, family, compiled, int8, block_size, threshold, reference) -> None:
@@ -71,3 +75,10 @@ def test_the_drafter_factory_names_what_a_model_lacks() -> None:
             build_drafter(name, loaded)
     with pytest.raises(ValueError, match="unknown drafter 'beam'"):
         build_drafter("beam", loaded)
+
+
+def test_a_mode_brings_its_references_references() -> None:
+    base = build_model("marian")
+    setup = BenchSetup(LoadedModel(base=base, tokenizer=None, feature_model=FeatureDrafterModel(base)))
+    names = [mode.name for mode in available_modes(setup, ["feature_int8_compiled"])]
+    assert names[:3] == ["greedy", "greedy_int8", "greedy_int8_compiled"]

@@ -13,12 +13,16 @@ from conftest import ARCHITECTURES, OracleDrafter, build_model, random_batch, wo
 from hf_blockwise import (
     BlockwiseConfig,
     BlockwiseHeadsModel,
+    FeatureDrafterModel,
+    blockwise_generate,
     check_decoder,
     first_divergence,
     frequent_tokens,
     quantize_dynamic_int8,
 )
 from hf_blockwise.drafters.base import DraftRequest
+from hf_blockwise.loading import LoadedModel
+from hf_blockwise.modeling.config import FeatureDrafterConfig
 from hf_blockwise.modeling.quantization import Int8Linear
 from hf_blockwise.tools.cli import main
 
@@ -150,3 +154,43 @@ def test_bench_fast_path_reports_each_step(tmp_path) -> None:
     rows = {row["mode"]: row for row in json.loads((out / "bench.json").read_text())["results"]}
     assert set(rows) == {"greedy", "greedy_int8", "iad", "iad_int8"}  # each mode brings its greedy reference
     assert all(row["identical_rate"] == 1.0 for row in rows.values()), rows
+
+
+def test_int8_products_are_one_operator_that_compiles_to_the_same_numbers() -> None:
+    """The int8 product is an opaque custom operator: the compiled graph computes exactly what eager does in it."""
+    layer = Int8Linear(torch.nn.Linear(32, 24)).requires_grad_(False)
+    compiled = torch.compile(layer, dynamic=True)
+    for rows in (3, 5):
+        inputs = torch.randn(rows, 32) * torch.logspace(-2, 2, rows)[:, None]
+        assert torch.equal(compiled(inputs), layer(inputs))
+
+
+def test_int8_compiled_engine_is_exact_to_its_own_greedy() -> None:
+    """`greedy_int8_compiled` and the int8 drafting modes through the compiled engine: drafts right and partly wrong
+    give the engine's int8 greedy token for token, which is eager int8 greedy up to near-ties."""
+    base = quantize_dynamic_int8(build_model("marian", seed=3))
+    for batch_size, seed in ((1, 0), (4, 1)):
+        batch = random_batch(base, batch_size, seed=seed)
+        eager = base.generate(**batch, max_new_tokens=16, do_sample=False)
+        kwargs = {"custom_generate": blockwise_generate, "max_new_tokens": 16, "blockwise_compile": True}
+        greedy = base.generate(**batch, **kwargs)
+        assert_same_or_near_tie(base, batch, eager, greedy)
+        for corruption in (0.0, 0.3):
+            drafter = OracleDrafter(greedy, block_size=4, corruption=corruption, seed=seed)
+            assert torch.equal(base.generate(**batch, assistant=drafter, **kwargs), greedy)
+
+
+def test_the_int8_copy_quantizes_the_feature_drafter_on_the_quantized_base() -> None:
+    base = build_model("marian", seed=5)
+    feature = FeatureDrafterModel(base, FeatureDrafterConfig(block_size=3)).eval()
+    loaded = LoadedModel(base=base, tokenizer=None, feature_model=feature)
+    quantized = loaded.int8_copy()
+    assert quantized.feature_model.base_model is quantized.base
+    assert not any(type(module) is torch.nn.Linear for module in quantized.feature_model.modules())
+    assert any(type(module) is torch.nn.Linear for module in feature.layer.modules())  # the float one is untouched
+    batch = random_batch(base, 3, seed=6)
+    greedy = quantized.base.generate(**batch, max_new_tokens=16, do_sample=False)
+    drafted = quantized.base.generate(
+        **batch, custom_generate=blockwise_generate, assistant=quantized.feature_model.drafter(), max_new_tokens=16
+    )
+    assert_same_or_near_tie(quantized.base, batch, greedy, drafted)

@@ -18,6 +18,8 @@ Exact commands (from the repository root) and wall times on the 2-core CPU, 2 th
     python training/distill_sources.py --base hf_blockwise/pretrained/gec-en --out checkpoints/distill-gec-en-v2 \
         --corpora gec_wi_src:12000 gec_fce_src:4000 multi30k_en:4000 europarl_en:4000 bible_en:2000 \
         dialogsum_summary:2000
+    python training/distill_sources.py --base hf_blockwise/pretrained/marian-base-en-de \
+        --out checkpoints/distill-marian-base --corpora multi30k_en:16000 europarl_en:8000
 
 Wall times are in ``training/README.md``.
 """

@@ -20,6 +20,11 @@ Exact commands (from the repository root; wall times in ``training/README.md``):
     python training/train_feature_drafter.py --base hf_blockwise/pretrained/gec-en \
         --distilled checkpoints/distill-gec-en-v2 --out checkpoints/feature-gec-v2 --task gec --epochs 1 \
         --block-size 3 --ship hf_blockwise/pretrained/gec-en/feature-drafter
+
+    python training/train_feature_drafter.py --base hf_blockwise/pretrained/marian-base-en-de \
+        --distilled checkpoints/distill-marian-base --out checkpoints/feature-marian-base --epochs 2 \
+        --block-size 4 --bf16 true --save-steps 50 \
+        --ship hf_blockwise/pretrained/marian-base-en-de/feature-drafter
 """
 
 from __future__ import annotations
@@ -66,6 +71,9 @@ class TrainFeatureDrafterArguments:
     )
     training_depth: int = field(default=4, metadata={"help": "unrolled drafting steps in training"})
     cross_attention: bool = field(default=True, metadata={"help": "the layer attends to the encoder output"})
+    ffn_size: int | None = field(
+        default=None, metadata={"help": "the layer's feed-forward width (None: the base decoder's); sets its cost"}
+    )
     feature_loss_weight: float = field(default=1.0)
     token_loss_weight: float = field(default=0.5)
     epochs: float = field(default=2.0, metadata={"help": "training epochs"})
@@ -75,6 +83,11 @@ class TrainFeatureDrafterArguments:
     warmup_steps: int = field(default=100)
     logging_steps: int = field(default=50, metadata={"help": "log losses and per-step accuracies every N steps"})
     threads: int = field(default=2, metadata={"help": "torch.set_num_threads"})
+    bf16: bool = field(
+        default=False,
+        metadata={"help": "bfloat16 CPU autocast in training (~1.8x faster where the CPU has avx512_bf16 or AMX)"},
+    )
+    save_steps: int = field(default=200, metadata={"help": "checkpoint every N steps (resumable)"})
     train_sentences: int | None = field(default=None, metadata={"help": "use only the first N (smoke tests)"})
     eval_sentences: int = field(default=300, metadata={"help": "test sentences decoded at the end (batch 1)"})
     max_new_tokens: int = field(default=128)
@@ -126,6 +139,7 @@ def train(args: TrainFeatureDrafterArguments):
         block_size=args.block_size,
         draft_threshold=args.draft_threshold,
         cross_attention=args.cross_attention,
+        ffn_size=args.ffn_size,
         training_depth=args.training_depth,
         base_model_name_or_path=args.base,
     )
@@ -137,7 +151,8 @@ def train(args: TrainFeatureDrafterArguments):
         feature_loss_weight=args.feature_loss_weight,
         token_loss_weight=args.token_loss_weight,
         logging_steps=args.logging_steps,
-        save_steps=200,
+        save_steps=args.save_steps,
+        bf16=args.bf16,
     )
     trainer = FeatureDrafterTrainer(model=model, args=training_args, train_dataset=train_dataset)
     trainer.train(resume_from_checkpoint=last_checkpoint(args.out))

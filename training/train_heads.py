@@ -20,6 +20,13 @@ made; with ``--base checkpoints/base-multi30k`` it is the same model in fp32)::
         --block-size 4 --head-hidden-size 256 --epochs 3 --threads 2 --shortlist 2000 \
         --ship hf_blockwise/pretrained/multi30k-en-de
 
+Heads beside the realistic base (``marian-base-en-de``; its distillation data from ``distill_sources.py``)::
+
+    python training/train_heads.py --base hf_blockwise/pretrained/marian-base-en-de \
+        --out checkpoints/heads-marian-base --distilled-dir checkpoints/distill-marian-base --block-size 4 \
+        --head-hidden-size 256 --epochs 0.5 --threads 2 --shortlist 2000 --bf16 true --eval-sentences 100 \
+        --ship-beside-base true
+
 Wall time on a 2-core CPU (2 threads): 29.4 min (distillation of 29k sentences about 6 min, 1,362 steps,
 test decoding 1 min; the machine was partly busy with other work); ``<out>/heads_log.json`` records it
 (``wall_time_s``). Result: mean accepted block 1.54 at batch 1 on the first 300 test_2016 sentences, 300/300
@@ -99,6 +106,10 @@ class TrainHeadsArguments:
     lr: float = field(default=1e-3, metadata={"help": "peak learning rate (linear warmup and decay)"})
     warmup_steps: int = field(default=100, metadata={"help": "linear warmup steps"})
     threads: int = field(default=2, metadata={"help": "torch.set_num_threads"})
+    bf16: bool = field(
+        default=False,
+        metadata={"help": "bfloat16 CPU autocast in training (~1.8x faster where the CPU has avx512_bf16 or AMX)"},
+    )
     train_sentences: int | None = field(default=None, metadata={"help": "use only the first N (smoke tests)"})
     eval_sentences: int = field(default=300, metadata={"help": "test_2016_flickr sentences decoded at the end"})
     max_new_tokens: int = field(default=128, metadata={"help": "length limit of distillation and test"})
@@ -113,6 +124,13 @@ class TrainHeadsArguments:
     ship: str | None = field(default=None, metadata={"help": "also write a self-contained shipped checkpoint here"})
     ship_heads: str | None = field(
         default=None, metadata={"help": "also write the heads alone here, naming the base as '..' (a subfolder)"}
+    )
+    ship_beside_base: bool = field(
+        default=False,
+        metadata={
+            "help": "also write the heads alone into the --base directory itself, naming it '.' (a shipped base "
+            "gains heads; its weights and model card are left as they are)"
+        },
     )
 
 
@@ -211,7 +229,8 @@ def train(args: TrainHeadsArguments):
         lora_target_modules=["q_proj", "v_proj"] if args.base_training == "lora" else None,
         lr_scheduler_type="linear",
         logging_steps=50,
-        save_steps=200,
+        save_steps=100,
+        bf16=args.bf16,
     )
     trainer = BlockwiseTrainer(model=model, args=training_args, train_dataset=train_dataset, processing_class=tokenizer)
     trainer.train(resume_from_checkpoint=last_checkpoint(args.out))
@@ -261,6 +280,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.ship_heads:
         ship_drafter(model, args.ship_heads, model_card(model, results))
         print(f"heads shipped to {args.ship_heads}")
+    if args.ship_beside_base:
+        # the heads' config and weights only (fp16), beside a base that is already shipped
+        model.save_pretrained(args.base, base_model_name_or_path=".", dtype=torch.float16)
+        print(f"heads shipped beside the base in {args.base}")
 
 
 if __name__ == "__main__":

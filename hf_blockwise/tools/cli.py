@@ -59,7 +59,10 @@ DEMO_SENTENCES = [
 ]
 
 PRETRAINED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pretrained")
+# the small Multi30k model (7.7M parameters: a quick try, notebooks) and the realistic one (43M, opus-mt-en-de's
+# decoder shape), which the demo and the bench run by default
 SHIPPED_MODEL = os.path.join(PRETRAINED, "multi30k-en-de")
+REALISTIC_MODEL = os.path.join(PRETRAINED, "marian-base-en-de")
 SHIPPED_SPEECH_MODEL = os.path.join(PRETRAINED, "speech-en")
 
 
@@ -81,7 +84,9 @@ def run_demo(
         drafter (`str`): `"heads"` (the model's proposal heads), `"feature"` (its `feature-drafter/`), or `"best"`:
             the feature drafter when the model ships one, else the heads.
         compile (`bool`): decode blockwise through the compiled engine (`blockwise_compile=True`), compiled once
-            before timing; not with `int8` (the engine compiles float weights).
+            before timing; not with `int8`, which decodes eagerly: the compiled graph's float attention sums vary
+            in their last bits with the feed's width, and int8 rounding turns that into different outputs
+            (`docs/results.md`), so int8 drafting is exact only eagerly.
 
     Returns:
         `int`: 0 when every output is identical to greedy's, else 1 (the exit status).
@@ -184,8 +189,8 @@ def _side_by_side(
     }  # fmt: skip
     if compile:
         print(
-            "compiling the decoder's verification forward with torch.compile before timing (one-time; 20-40 s on "
-            "the shipped model, --no-compile skips it) ...",
+            "compiling the decoder's verification forward and the drafter's block with torch.compile before timing "
+            "(one-time; ~20-30 s on the shipped models here, --no-compile skips it) ...",
             flush=True,
         )
         seconds = compile_modes({"blockwise": runners["blockwise"]}, batches[0], {"blockwise"})["blockwise"]
@@ -270,7 +275,7 @@ def _bench_setup(args: argparse.Namespace) -> tuple[BenchSetup, list, list[str] 
     )
     setup = dataclasses.replace(
         setup, gad_block_size=args.gad_block_size, gad_top_beta=args.gad_top_beta, gad_tolerance=args.gad_tolerance,
-        oracle_block_sizes=tuple(oracle_block_sizes),
+        oracle_block_sizes=tuple(oracle_block_sizes), ct2_threads=args.ct2_threads or torch.get_num_threads(),
     )  # fmt: skip
     return setup, sources, references
 
@@ -311,6 +316,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         "audio_folder": args.audio_folder,
         "sentences": len(sources),
         "threads": torch.get_num_threads(),
+        "ct2_threads": setup.ct2_threads,
         "batch_sizes": sorted({result.batch_size for result in results}),
         "max_new_tokens": setup.max_new_tokens,
         "max_new_tokens_from": _limit_source(args, setup),
@@ -341,7 +347,7 @@ def _report_header(args: argparse.Namespace, settings: dict) -> str:
         sources = f"{settings['sentences']} " + ("utterances" if args.audio_folder else "sentences")
     return (
         f"# hf-blockwise bench: {model}, {sources}, {settings['max_new_tokens']} new tokens at most, "
-        f"{settings['threads']} threads, {settings['device']}"
+        f"{settings['threads']} threads (CTranslate2: {settings['ct2_threads']}), {settings['device']}"
     )
 
 
@@ -412,7 +418,10 @@ def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
 
 def _add_bench_source_arguments(bench: argparse.ArgumentParser) -> None:
     """What `bench` decodes with and what it decodes."""
-    bench.add_argument("--model", default=SHIPPED_MODEL, help="seq2seq model directory, with or without heads")
+    bench.add_argument(
+        "--model", default=REALISTIC_MODEL, help="seq2seq model directory, with or without heads (default: the "
+        "shipped marian-base-en-de)",
+    )  # fmt: skip
     bench.add_argument(
         "--model-config",
         type=_model_config_name,
@@ -504,6 +513,10 @@ def _add_bench_mode_arguments(bench: argparse.ArgumentParser) -> None:
 def _add_bench_run_arguments(bench: argparse.ArgumentParser) -> None:
     """How `bench` runs (threads, a quick run) and what it writes (reports, the cost curve)."""
     bench.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (1 = Devlin's words/s)")
+    bench.add_argument(
+        "--ct2-threads", type=_positive_int, default=None, help="CTranslate2's threads in the ct2 modes (default: "
+        "--threads, or torch's)"
+    )  # fmt: skip
     bench.add_argument("--out", default="bench", help="directory for bench.json, bench.md, bench.png")
     bench.add_argument("--quick", action="store_true", help="at most 16 sentences: a run of about a minute")
     bench.add_argument("--cost-curve", action="store_true", help="also time one decoder call for 1..32 tokens")
@@ -633,12 +646,12 @@ def _other_arguments(generate_kwargs: dict) -> dict:
 
 
 def run_demo_command(demo: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """`hf-blockwise demo`: translation (the shipped Multi30k model by default) or, with `--task asr`, speech
-    recognition (the shipped speech model by default)."""
+    """`hf-blockwise demo`: translation (the shipped realistic model, `marian-base-en-de`, by default) or, with
+    `--task asr`, speech recognition (the shipped speech model by default)."""
     if args.task == "asr":
         if args.sentences or args.int8 or args.drafter != "best":
             demo.error("--task asr takes no sentences, --int8 or --drafter (it drafts with the feature drafter)")
-        model = SHIPPED_SPEECH_MODEL if args.model == SHIPPED_MODEL else args.model
+        model = args.model or SHIPPED_SPEECH_MODEL
         if not os.path.isdir(model):
             demo.error(
                 f"no speech model at {model}: pass --model DIR with a speech encoder-decoder, its processor and a "
@@ -651,7 +664,7 @@ def run_demo_command(demo: argparse.ArgumentParser, args: argparse.Namespace) ->
         demo.error("--audio-folder needs --task asr")
     sentences = args.sentences or DEMO_SENTENCES
     return run_demo(
-        args.model,
+        args.model or REALISTIC_MODEL,
         sentences,
         args.repeats,
         args.threads,
@@ -667,7 +680,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-blockwise", description="Exact blockwise parallel decoding.")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="translate a few sentences, greedy and blockwise side by side")
-    demo.add_argument("--model", default=SHIPPED_MODEL, help="directory with base model, heads and tokenizer")
+    demo.add_argument(
+        "--model", default=None, help="directory with a base model, its drafters and tokenizer (default: the shipped "
+        "marian-base-en-de; with --task asr the shipped speech-en; hf_blockwise/pretrained/multi30k-en-de is a "
+        "quicker try)",
+    )  # fmt: skip
     demo.add_argument("--repeats", type=_positive_int, default=5, help="timing runs per sentence (median is reported)")
     demo.add_argument(
         "--max-new-tokens",

@@ -18,8 +18,6 @@ except ModuleNotFoundError as error:  # the optional extra: pip install -e .[ctr
         raise
     ct2 = None
 
-CT2_THREADS = 1  # see `measure_ct2`
-
 
 def ct2_unavailable(setup: BenchSetup) -> str | None:
     """Why the bench cannot run CTranslate2 on `setup`, or `None` when it can."""
@@ -41,14 +39,14 @@ def measure_ct2(
     references: Sequence[str] | None,
     progress: bool,
 ) -> list[ModeResult]:
-    """The CTranslate2 modes on the same batches, in a pass of their own after the other modes, with one thread.
+    """The CTranslate2 modes on the same batches, in a pass of their own after the other modes, with
+    `setup.ct2_threads` threads (the bench's `--ct2-threads`, by default its torch threads).
 
     CTranslate2 brings its own OpenMP runtime, and in one process beside torch's on this 2-core CPU the two
     contend (measured): interleaved with torch's modes, a translator that has run slowed torch's calls by 30% (by
     3x with two CTranslate2 threads, which also slowed CTranslate2 itself 5x). So its translators exist only for
-    this pass, after the others, and run `CT2_THREADS` (one) thread: at `--threads 1` the comparison is at equal
-    threads, at `--threads 2` the CTranslate2 rows understate it. Outputs are compared with the greedy mode's
-    outputs of the same batches, and speedups are relative to that mode's time in the main pass.
+    this pass, after the others have finished. Outputs are compared with the greedy mode's outputs of the same
+    batches, and speedups are relative to that mode's time in the main pass.
 
     Args:
         greedy_outputs (`dict`): `id(batch)` -> the greedy mode's output for that batch.
@@ -60,7 +58,7 @@ def measure_ct2(
         model_dir = ct2.convert(base, tokenizer, folder)
         runners: dict[str, Runner] = {"greedy": lambda batch, _: greedy_outputs[id(batch)]}  # a replay
         for mode in modes:
-            translator = ct2.load_translator(model_dir, mode.ct2_compute_type, CT2_THREADS, device)
+            translator = ct2.load_translator(model_dir, mode.ct2_compute_type, setup.ct2_threads, device)
             runners[mode.name] = ct2.greedy_runner(translator, tokenizer, base, setup.max_new_tokens)
         by_mode = measure(
             runners, batches, pad_token_id=base.config.pad_token_id, reference="greedy", tokenizer=tokenizer,

@@ -17,10 +17,12 @@ COMPILED_SUFFIX = "_compiled"
 # cache and a compiled forward, as a user would set it up.
 COMPILED_MODES = (
     "greedy_compiled", "oracle_compiled", "heads_compiled", "seq_heads_compiled", "feature_compiled", "iad_compiled",
-    "composite_compiled", "gad_compiled", "hf_greedy_compiled",
+    "composite_compiled", "gad_compiled", "hf_greedy_compiled", "greedy_int8_compiled", "heads_int8_compiled",
+    "feature_int8_compiled",
 )  # fmt: skip
-# int8 dynamically quantized torch models, exact with respect to the int8 model's greedy (`greedy_int8`)
-INT8_MODES = ("greedy_int8", "heads_int8", "iad_int8")
+# int8 dynamically quantized torch models, exact with respect to the int8 model's greedy (`greedy_int8`; compiled:
+# the engine's int8 greedy `greedy_int8_compiled`)
+INT8_MODES = ("greedy_int8", "heads_int8", "iad_int8", "feature_int8")
 MODE_NAMES = (
     "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_full_vocab", "heads_top2", "seq_heads", "feature",
     "composite", "iad", "iad_realign", "gad", "gad_pp", *INT8_MODES, "loop", "oracle", "ct2", "ct2_int8",
@@ -29,7 +31,8 @@ MODE_NAMES = (
 DEFAULT_MODES = (
     "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_top2", "seq_heads", "feature", "composite", "iad",
     "gad", "gad_pp", "loop", "oracle", "greedy_compiled", "oracle_compiled", "heads_compiled", "seq_heads_compiled",
-    "feature_compiled", "iad_compiled", "composite_compiled", "hf_greedy_compiled",
+    "feature_compiled", "iad_compiled", "composite_compiled", "hf_greedy_compiled", "greedy_int8",
+    "greedy_int8_compiled", "feature_int8_compiled", "ct2", "ct2_int8",
 )  # fmt: skip
 # The CPU fast path, step by step (Devlin 2017, Table 1): blockwise heads drafting over the whole vocabulary,
 # + the heads' vocabulary shortlist, + int8 matrix products (with int8 greedy as that step's exact reference).
@@ -38,7 +41,7 @@ FAST_PATH_MODES = ("greedy", "heads_full_vocab", "heads", "greedy_int8", "heads_
 LOOP_MODES = ("greedy", "loop", "oracle")
 DEFAULT_ORACLE_BLOCK_SIZES = (4,)
 # the greedy modes every other mode is compared with, in the order a batch is decoded (references first)
-REFERENCE_MODES = ("greedy", "greedy_int8", "greedy_compiled")
+REFERENCE_MODES = ("greedy", "greedy_int8", "greedy_compiled", "greedy_int8_compiled")
 
 _ORACLE = re.compile(r"oracle_k(\d+)")
 # a model drafter at another block size k and (feature drafter) draft threshold: `feature_k6_t0.3`, `heads_k3`
@@ -83,7 +86,7 @@ class Mode:
         plain = name.removesuffix(COMPILED_SUFFIX)
         compiled = plain != name
         if name in MODE_NAMES:
-            int8 = not compiled and name.endswith("_int8")
+            int8 = plain.endswith("_int8")
             family = "hf_greedy" if plain == "hf_greedy" else plain.removesuffix("_int8")
             return cls(name, family, compiled=compiled, int8=int8)
         oracle = _ORACLE.fullmatch(plain)
@@ -110,7 +113,7 @@ class Mode:
         """The greedy mode whose output this one must reproduce: int8 modes are exact w.r.t. the int8 model, compiled
         modes w.r.t. the engine's own greedy (`greedy_compiled`, itself compared with eager greedy)."""
         if self.on_int8_model:
-            return "greedy_int8"
+            return "greedy_int8_compiled" if self.compiled and self.family != "greedy" else "greedy_int8"
         if self.compiled and self.family not in ("greedy", "hf_greedy"):
             return "greedy_compiled"
         return "greedy"

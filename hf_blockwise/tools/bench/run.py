@@ -43,6 +43,8 @@ def available_modes(setup: BenchSetup, requested: Sequence[str]) -> list[Mode]:
         else:
             modes.append(mode)
     needed = {"greedy"} | {mode.reference for mode in modes}
+    while missing := {Mode.parse(name).reference for name in needed} - needed:  # a reference's own reference
+        needed |= missing
     modes = [Mode.parse(name) for name in REFERENCE_MODES if name in needed] + modes
     unique: dict[str, Mode] = {}
     for mode in modes:

@@ -29,6 +29,7 @@ class BenchSetup:
         gad_block_size (`int`, *optional*): tokens per GAD step (default: the drafter's trained block size).
         gad_top_beta (`int`), gad_tolerance (`float`): GAD++'s β and τ (mode `gad_pp`).
         oracle_block_sizes (`tuple[int, ...]`): the block sizes k of the `oracle` mode, one row `oracle_k{k}` each.
+        ct2_threads (`int`): CTranslate2's threads (`intra_threads`) in the `ct2` modes.
     """
 
     loaded: LoadedModel
@@ -38,6 +39,7 @@ class BenchSetup:
     gad_top_beta: int = 3
     gad_tolerance: float = 1.0
     oracle_block_sizes: tuple[int, ...] = DEFAULT_ORACLE_BLOCK_SIZES
+    ct2_threads: int = 1
 
 
 def usable_batch_sizes(batch_sizes: Sequence[int], num_sentences: int) -> list[int]:
