@@ -37,6 +37,9 @@ for set in multi30k europarl; do
     hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 100 --batch-sizes 1 \
         --threads 2 --modes greedy greedy_int8 feature_int8 heads_int8 --out docs/bench/marian-base-$set-int8-eager
 done
+# where int8 drafting leaves int8 greedy on the news set, and the top-2 gaps there
+python scripts/int8_divergences.py --model $base --drafter feature --source-file $data/europarl_de_en/validation.en \
+    --sentences 40 --threads 2
 # its decoder cost curve (eager and compiled, 1..8 tokens), the step profile (float32 and int8) and peak memory
 hf-blockwise bench --model $base --source-file $data/multi30k/test_2016_flickr.en.gz --sentences 3 --batch-sizes 1 \
     --threads 2 --modes greedy --cost-curve --cost-curve-max-tokens 8 --out docs/bench/marian-base-cost-curve

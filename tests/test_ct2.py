@@ -10,6 +10,7 @@ from conftest import build_model, word_tokenizer
 from hf_blockwise.loading import LoadedModel
 from hf_blockwise.tools import ct2
 from hf_blockwise.tools.bench import BenchSetup, run_bench
+from hf_blockwise.tools.bench.ct2_pass import ct2_unavailable
 
 
 def sentences(count: int, seed: int) -> list[str]:
@@ -53,3 +54,11 @@ def test_bench_times_ctranslate2_beside_transformers_greedy() -> None:
         assert exact.speedup is not None and exact.seconds > 0
         int8 = by_row[("ct2_int8", size)]
         assert int8.compared == 6 and int8.sentences == 6  # int8 weights: compared, not required to be identical
+
+
+def test_the_bench_names_why_it_skips_ctranslate2_on_an_architecture_it_does_not_convert(capsys) -> None:
+    setup = BenchSetup(LoadedModel(base=build_model("bart", seed=1), tokenizer=word_tokenizer()), max_new_tokens=6)
+    assert "not 'bart'" in ct2_unavailable(setup)
+    results = run_bench(setup, sentences(2, seed=0), None, ["greedy", "ct2", "ct2_int8"], [1], progress=False)
+    assert [result.mode for result in results] == ["greedy"]
+    assert "skipping ct2: the bench converts ['marian'] models to CTranslate2, not 'bart'" in capsys.readouterr().out

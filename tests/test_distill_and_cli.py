@@ -120,6 +120,8 @@ def test_bench_compares_every_mode_and_writes_reports(tmp_path, capsys) -> None:
         "greedy_compiled", "oracle_k4_compiled", "heads_compiled", "seq_heads_compiled", "feature_compiled",
         "iad_compiled", "composite_compiled", "hf_greedy_compiled",
     }  # fmt: skip
+    # int8 greedy eager and compiled, and the feature drafter on the int8 copy (CTranslate2 is skipped: a BART)
+    expected_at_one |= {"greedy_int8", "greedy_int8_compiled", "feature_int8_compiled"}
     assert {mode for mode, batch in rows if batch == 1} == expected_at_one
     assert {mode for mode, batch in rows if batch == 3} == expected_at_one - {"prompt_lookup", "assisted"}
     for (mode, _), row in rows.items():

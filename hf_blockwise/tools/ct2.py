@@ -9,7 +9,9 @@ embedding (`start_from_zero_embedding`). This project's recipes put `<pad>` at i
 on a vocabulary of the wrong size), and with tied embeddings the `<pad>` row is not zero. So Marian models are
 converted with [`PadKeepingMarianLoader`]: the vocabulary stays as it is, the decoder starts from the real
 `<pad>` embedding as transformers' does, and `<pad>` is kept from being generated the way `generate` keeps it
-(`bad_words_ids` become CTranslate2's `suppress_sequences`). Other architectures use the stock converter.
+(`bad_words_ids` become CTranslate2's `suppress_sequences`). Other architectures would use the stock converter,
+which reads config fields that transformers 5 removed, so the bench converts Marian models only
+(`CONVERTED_MODEL_TYPES`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from ctranslate2.converters.transformers import BartLoader, MarianMTLoader
 from torch import nn
 
 from hf_blockwise.evaluation.harness import Batch, Runner
+
+# the architectures this module converts and tests (`convert` on any other is refused by the bench up front: the
+# stock converters of CTranslate2 4.x read config fields that transformers 5 removed, e.g. BART's normalize_before)
+CONVERTED_MODEL_TYPES = ("marian",)
 
 
 class PadKeepingMarianLoader(MarianMTLoader):

@@ -27,6 +27,12 @@ def ct2_unavailable(setup: BenchSetup) -> str | None:
         return "CTranslate2 decodes token strings, which needs a tokenizer"
     if setup.loaded.feature_extractor is not None:
         return "the bench runs CTranslate2 on text inputs only"
+    model_type = setup.loaded.base.config.model_type
+    if model_type not in ct2.CONVERTED_MODEL_TYPES:
+        return (
+            f"the bench converts {list(ct2.CONVERTED_MODEL_TYPES)} models to CTranslate2, not {model_type!r} (its "
+            "stock converters read config fields transformers 5 no longer has, e.g. BART's normalize_before)"
+        )
     return None
 
 
