@@ -26,17 +26,15 @@ for set in multi30k europarl; do
     hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 96 --batch-sizes 16 \
         --threads 2 --modes greedy greedy_compiled greedy_int8_compiled feature_compiled feature_int8_compiled \
         oracle_compiled ct2 ct2_int8 --oracle-block-sizes 4 --out docs/bench/marian-base-$set-b16
-done
-# the exact int8 path: eager int8 drafting against eager int8 greedy, both sets, batch 1
-for set in multi30k europarl; do
-    if [ $set = multi30k ]; then
-        src=$data/multi30k/test_2016_flickr.en.gz; ref=$data/multi30k/test_2016_flickr.de.gz
-    else
-        src=$data/europarl_de_en/validation.en; ref=$data/europarl_de_en/validation.de
-    fi
+    # the eager int8 path: int8 drafting against int8 greedy
     hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 100 --batch-sizes 1 \
         --threads 2 --modes greedy greedy_int8 feature_int8 heads_int8 --out docs/bench/marian-base-$set-int8-eager
 done
+# the feature drafter's k chosen by speed (compiled, batch 1)
+hf-blockwise bench --model $base --source-file $data/multi30k/test_2016_flickr.en.gz \
+    --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 100 --batch-sizes 1 --threads 2 \
+    --modes greedy greedy_compiled feature_k3_compiled feature_compiled feature_k5_compiled feature_k6_compiled \
+    --out docs/bench/marian-base-multi30k-feature-k
 # where int8 drafting leaves int8 greedy on the news set, and the top-2 gaps there
 python scripts/int8_divergences.py --model $base --drafter feature --source-file $data/europarl_de_en/validation.en \
     --sentences 40 --threads 2
