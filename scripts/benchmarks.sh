@@ -30,7 +30,8 @@ for set in multi30k europarl; do
     hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 100 --batch-sizes 1 \
         --threads 2 --modes greedy greedy_int8 feature_int8 heads_int8 --out docs/bench/marian-base-$set-int8-eager
 done
-# the feature drafter's k chosen by speed (compiled, batch 1)
+# what the feature drafter's width costs per draft (eager), and its k chosen by speed (compiled, batch 1)
+python scripts/drafter_width.py --model $base --threads 2
 hf-blockwise bench --model $base --source-file $data/multi30k/test_2016_flickr.en.gz \
     --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 100 --batch-sizes 1 --threads 2 \
     --modes greedy greedy_compiled feature_k3_compiled feature_compiled feature_k5_compiled feature_k6_compiled \
