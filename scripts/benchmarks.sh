@@ -36,6 +36,8 @@ hf-blockwise bench --model $base --source-file $data/multi30k/test_2016_flickr.e
     --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 100 --batch-sizes 1 --threads 2 \
     --modes greedy greedy_compiled feature_k3_compiled feature_compiled feature_k5_compiled feature_k6_compiled \
     --out docs/bench/marian-base-multi30k-feature-k
+# the int8 kernel candidates, one thread
+python scripts/int8_kernels.py --threads 1
 # where int8 drafting leaves int8 greedy on the news set, and the top-2 gaps there
 python scripts/int8_divergences.py --model $base --drafter feature --source-file $data/europarl_de_en/validation.en \
     --sentences 40 --threads 2

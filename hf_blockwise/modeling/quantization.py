@@ -11,9 +11,9 @@ function of that row.
 The product runs in oneDNN's int8 kernel (`onednn::qlinear_pointwise`) over weights prepacked once, fed the
 already-quantized rows as uint8 with scale 1 and zero point 128: the kernel's activation scale is per tensor, and
 a scale of 1 over values that are already integers is lossless, so the per-row scales are applied to its float
-output. Measured on the 2-core EPYC (1 thread; `docs/results.md`): a 512→16000 projection costs 0.15 ms at 1 row
-and 0.16 ms at 4 (float32: 2.2-6 ms); `torch._int_mm` 0.25-0.30 ms; fbgemm fed one scale per row 0.12 ms, but
-its prepacking needs quantized tensors, deprecated in this torch.
+output. Measured on the 2-core EPYC (1 thread; `scripts/int8_kernels.py`, `docs/results.md`): a 512→16000
+projection costs 0.14 ms at 1 row and 0.16 ms at 4 (float32: 2.1-3.2 ms); `torch._int_mm` 0.27-0.29 ms; fbgemm fed
+one scale per row 0.11-0.13 ms, but its prepacking needs quantized tensors, deprecated in this torch.
 
 The whole product is one operator (`torch.ops.hf_blockwise.int8_linear`), so `torch.compile` keeps it in the
 graph as one opaque call and the compiled engine computes exactly what eager decoding computes in it.
