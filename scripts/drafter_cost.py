@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
@@ -37,6 +38,22 @@ class DrafterCostArguments:
     max_new_tokens: int = field(default=128)
 
 
+def time_drafting(drafter: Any) -> list[float]:
+    """Wraps `drafter.get_candidates` to time it; returns the accumulator `[seconds, calls]`, which the caller
+    may reset (after a warm-up)."""
+    draft, spent = drafter.get_candidates, [0.0, 0]
+
+    def timed(request):
+        started = time.perf_counter()
+        drafts = draft(request)
+        spent[0] += time.perf_counter() - started
+        spent[1] += 1
+        return drafts
+
+    drafter.get_candidates = timed
+    return spent
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_dataclass_args(DrafterCostArguments, argv, __doc__.split("\n", 1)[0])
     transformers_logging.set_verbosity_error()
@@ -50,17 +67,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for setting in args.settings:
         k, _, threshold = setting.partition(":")
         drafter = feature.drafter(block_size=int(k), threshold=float(threshold) if threshold else None)
-        draft = drafter.get_candidates
-        spent = [0.0, 0]
-
-        def timed(request, draft=draft, spent=spent):
-            started = time.perf_counter()
-            drafts = draft(request)
-            spent[0] += time.perf_counter() - started
-            spent[1] += 1
-            return drafts
-
-        drafter.get_candidates = timed
+        spent = time_drafting(drafter)
         for batch in batches[:5]:  # warm-up
             base.generate(**batch, custom_generate=blockwise_generate, assistant=drafter, max_new_tokens=8)
         spent[0], spent[1] = 0.0, 0

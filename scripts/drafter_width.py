@@ -12,7 +12,9 @@ bookkeeping), whose ratio is the issue-26 budget (a draft ≤ 1/8 of a verificat
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
@@ -22,6 +24,9 @@ from hf_blockwise import blockwise_generate
 from hf_blockwise.modeling.config import FeatureDrafterConfig
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
 from hf_blockwise.tools.bench import read_lines
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from drafter_cost import time_drafting
 
 
 def main() -> None:
@@ -43,16 +48,7 @@ def main() -> None:
         model = FeatureDrafterModel(base, FeatureDrafterConfig(block_size=args.block_size, ffn_size=width)).eval()
         model.set_shortlist(torch.arange(2000))
         drafter = model.drafter()
-        draft, spent = drafter.get_candidates, [0.0, 0]
-
-        def timed(request, draft=draft, spent=spent):
-            started = time.perf_counter()
-            drafts = draft(request)
-            spent[0] += time.perf_counter() - started
-            spent[1] += 1
-            return drafts
-
-        drafter.get_candidates = timed
+        spent = time_drafting(drafter)
         kwargs = {"custom_generate": blockwise_generate, "assistant": drafter, "max_new_tokens": 24}
         for batch in batches[:3]:  # warm-up
             base.generate(**batch, **kwargs)

@@ -168,14 +168,11 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-def quantize_linears_int8(module: nn.Module, skip: nn.Module | None = None) -> None:
-    """Replaces every `nn.Linear` inside `module` by an [`Int8Linear`], in place, except those inside `skip`."""
-    skipped = set() if skip is None else {id(child) for child in skip.modules()}
+def quantize_linears_int8(module: nn.Module) -> None:
+    """Replaces every `nn.Linear` inside `module` by an [`Int8Linear`], in place."""
     for parent in list(module.modules()):
-        if id(parent) in skipped:
-            continue
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and id(child) not in skipped:
+            if isinstance(child, nn.Linear):
                 setattr(parent, name, Int8Linear(child))
 
 
