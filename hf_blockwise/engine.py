@@ -11,16 +11,25 @@ What keeps the compiled graph from recompiling during a call:
 - the self-attention cache is static ([`boundary.static_decoder_cache`]): keys and values live in preallocated
   buffers, cropping moves a write position (a tensor, no host read), and the buffer length is rounded up to a
   multiple of 64 so that calls of similar lengths share it;
-- shapes are dynamic (`dynamic=True`): one graph serves every feed width from 2 up and every source length;
-  dynamo specializes sizes of 1, so a one-token feed is padded with one filler column (causal attention hides it)
-  and batch size 1 gets a graph of its own;
+- shapes are dynamic (`dynamic=True`): one graph serves every feed width from 3 up and every source length;
+  batch size 1 gets a graph of its own (dynamo specializes sizes of 1);
 - the first forward of a call, which writes the cross-attention cache, runs eagerly;
 - the decoder states that state-reading drafters need are an output of the same graph: a hook on the output
   projection, registered before compilation and traced into the graph, hands over its input.
 
-Compiled kernels order some floating-point sums differently from eager ones, so the engine's greedy (the loop with
-no drafter) is the exact reference of its drafting modes; against transformers' eager greedy an output may differ
-only at a near-tie, which [`first_divergence`] shows.
+One arithmetic for every call of a decode. A token's logits must not depend on how many tokens its call feeds, or
+a verification call of k tokens could round differently from greedy's one-token calls. Measured on this CPU, two
+kernels do depend on it, only below 3 rows: float32 `linear` and attention's products take another path (gemv) for
+one row and for two, and give a row the same bits at every count of rows from 3 up to ~13 (sgemm). So the engine
+feeds every call at least `MIN_FEED_WIDTH` (3) columns, greedy's one-token calls padded with filler that causal
+attention hides, and every cache of a decode has the same capacity, whatever the drafter's block size (attention
+reads the whole buffer; a longer one may group its masked sums differently). With int8 products, which are exact
+(int32 sums) for any number of rows, a k-token call then computes bit for bit what k one-token calls compute, at
+any batch size: the engine's greedy (`blockwise_compile=True`, no assistant) *is* the int8 model's greedy output,
+and every drafter reproduces it by construction (`tests/test_engine.py` checks the logits with `torch.equal`).
+float32 products depend on the rows of the whole call (batch x width), so in float32 this holds only where that
+count stays within one sgemm path; elsewhere, and against transformers' eager greedy (other kernels, fused
+differently), an output may differ only at a near-tie, which [`first_divergence`] shows.
 
 Where the compiled objects live, and when they are dropped:
 
@@ -30,9 +39,10 @@ Where the compiled objects live, and when they are dropped:
   guarded by the objects a frame reads but not by weight values: with a shared code object, a new engine of a
   model whose weights changed in place would be served the old frozen graph (measured), and dropping it would take
   a process-wide `torch.compiler.reset()`. With its own code object an engine's graphs can be reached only through
-  it, so weights changed after compilation (training, `load_state_dict`), seen in their version counters, replace
-  that model's engine alone; other models keep their graphs. It also keeps each engine's few graphs (2-4) within
-  dynamo's default recompile limit, which is per code object: no global limit is raised;
+  it, so weights changed after compilation (training, `load_state_dict`, writes through `.data`), seen by a
+  [`WeightsSnapshot`], replace that model's engine alone; other models keep their graphs. It also keeps each
+  engine's few graphs (2-4) within dynamo's default recompile limit, which is per code object: no global limit is
+  raised;
 - inductor's `freezing` is a global flag read when a graph is compiled; it is set around the engine's calls only
   and restored after each.
 """
@@ -55,6 +65,12 @@ from hf_blockwise import boundary as hf
 
 # static cache buffers are rounded up to this many positions, so that calls of similar lengths share their shape
 _CACHE_ROUNDING = 64
+# every compiled call feeds at least this many columns: kernels give a row the same bits at every width from 3 up
+# (below, one row and two take other paths); see the module docstring
+MIN_FEED_WIDTH = 3
+# the static cache's room past max_length, the same for every drafter whose feeds fit it (block_size + 1 columns),
+# so that greedy and drafting decodes of one input attend over buffers of the same length
+_CACHE_SLACK = 16
 
 
 class CompileUnavailableError(RuntimeError):
@@ -101,13 +117,58 @@ def check_compile_available(device: torch.device, options: CompileOptions) -> No
         raise CompileUnavailableError("inductor needs a C++ compiler on CPU (g++, c++ or clang++), and none is on PATH")
 
 
-def weights_fingerprint(model: nn.Module) -> tuple[tuple[int, int], ...]:
-    """Each parameter's and buffer's storage address and version counter: any in-place change (an optimizer step,
-    `load_state_dict`) or replaced tensor changes it."""
-    return tuple(
-        (tensor.data_ptr(), 0 if tensor.is_inference() else tensor._version)
-        for tensor in (*model.parameters(), *model.buffers())
-    )
+# one value in this many of every weight is compared with its value at compile time (a prime: it falls on every
+# column of a row-major matrix in turn), so that writes through `.data`, which leave version counters alone, are seen
+_SAMPLE_STEP = 1021
+
+
+class WeightsSnapshot:
+    """What a compiled graph's frozen weights were, to tell when the model's own have changed since.
+
+    Two parts: each parameter's and buffer's storage address and version counter (a replaced tensor, an in-place
+    change that autograd sees: an optimizer step, `load_state_dict`, `p.mul_()` under `no_grad`), and the values of
+    a fixed sample of every tensor, one in `_SAMPLE_STEP` elements, compared bit for bit: writes through
+    `p.data` (weight averaging, EMA, pruning), which move no version counter, change sampled values unless they
+    touch fewer than about one value in a thousand of every tensor they change (for such an edit, call
+    [`drop_compiled`]). The sample is read through views of the weights themselves, ~25,000 values for a 43M
+    model (`scripts/stale_weights_check.py` times it).
+
+    Args:
+        model (`nn.Module`): the model whose weights a compiled graph holds.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.identity = self._identity(model)
+        self.samples = self._sample_views(model)  # dtype -> views into the weights
+        self.reference = {dtype: torch.cat(views) for dtype, views in self.samples.items()}  # copies
+
+    @staticmethod
+    def _tensors(model: nn.Module) -> list[torch.Tensor]:
+        return [*model.parameters(), *model.buffers()]
+
+    @classmethod
+    def _identity(cls, model: nn.Module) -> tuple[tuple[int, int], ...]:
+        return tuple(
+            (tensor.data_ptr(), 0 if tensor.is_inference() else tensor._version) for tensor in cls._tensors(model)
+        )
+
+    @classmethod
+    def _sample_views(cls, model: nn.Module) -> dict[torch.dtype, list[torch.Tensor]]:
+        views: dict[torch.dtype, list[torch.Tensor]] = {}
+        for tensor in cls._tensors(model):
+            if tensor.numel() == 0 or tensor.is_meta:
+                continue
+            count = -(-tensor.numel() // _SAMPLE_STEP)
+            # (count,): elements 0, step, 2 step, ... of the tensor's span of its storage; a view, not a copy
+            view = tensor.detach().as_strided((count,), (_SAMPLE_STEP,), tensor.storage_offset())
+            views.setdefault(tensor.dtype, []).append(view)
+        return views
+
+    def matches(self, model: nn.Module) -> bool:
+        """Whether `model`'s weights are still those of the snapshot (same tensors, versions and sampled values)."""
+        if self._identity(model) != self.identity:
+            return False
+        return all(torch.equal(torch.cat(views), self.reference[dtype]) for dtype, views in self.samples.items())
 
 
 def own_code(function: Callable) -> types.FunctionType:
@@ -129,15 +190,15 @@ class CompiledModule:
         module (`nn.Module`): what to compile, built for this engine alone: its `forward` is given a code object of
             its own ([`own_code`]), so that its graphs are its own; dynamo sees its weights as parameters.
         options ([`CompileOptions`]).
-        owner (`nn.Module`): the model whose weights `module` uses (or derives buffers from): the fingerprint that
-            tells a stale graph ([`weights_fingerprint`]) is taken over it.
+        owner (`nn.Module`): the model whose weights `module` uses (or derives buffers from): the snapshot that
+            tells a stale graph ([`WeightsSnapshot`]) is taken of it.
     """
 
     def __init__(self, module: nn.Module, options: CompileOptions, owner: nn.Module) -> None:
         device = next(owner.parameters()).device
         check_compile_available(device, options)
         self.options = options
-        self.fingerprint = weights_fingerprint(owner)
+        self.weights = WeightsSnapshot(owner)
         mode = options.mode
         if mode is None and device.type == "cuda":
             mode = "reduce-overhead"
@@ -171,7 +232,7 @@ class CompiledDecoder:
 
     def __init__(self, model: nn.Module, options: CompileOptions) -> None:
         self.options = options
-        self.fingerprint = weights_fingerprint(model)
+        self.weights = WeightsSnapshot(model)
         self.position_limit = hf.decoder_position_limit(model)
         self.num_layers = hf.decoder_layer_count(model)
         self._step = _DecoderStep(model)
@@ -183,9 +244,14 @@ class CompiledDecoder:
         """Removes the engine's hook from the model (done when an engine is dropped)."""
         self._step.hook_handle.remove()
 
-    def new_cache(self, max_length: int) -> Any:
-        """A static cache with room for `max_length` positions (rounded up)."""
-        return hf.static_decoder_cache(self.num_layers, -(-max_length // _CACHE_ROUNDING) * _CACHE_ROUNDING)
+    def new_cache(self, max_length: int, block_size: int = 1) -> Any:
+        """A static cache for a decode of up to `max_length` tokens fed up to `block_size` tokens per row and call.
+
+        Its capacity depends on `block_size` only where the feeds do not fit the fixed slack: every decode of one
+        input then attends over buffers of the same length, whatever drafts it (one arithmetic).
+        """
+        needed = max_length + max(_CACHE_SLACK, block_size + MIN_FEED_WIDTH)
+        return hf.static_decoder_cache(self.num_layers, -(-needed // _CACHE_ROUNDING) * _CACHE_ROUNDING)
 
     def forward(
         self, tokens: torch.Tensor, cache: Any, forward_kwargs: dict[str, Any], cache_length: int
@@ -206,8 +272,11 @@ class CompiledDecoder:
                 hf.unpin_static_cache(cache)
             return outputs
         width = tokens.shape[1]
-        if width == 1 and (self.position_limit is None or cache_length + 2 <= self.position_limit):
-            tokens = torch.cat([tokens, tokens], dim=1)  # the second column is hidden by causal attention
+        padded = max(width, MIN_FEED_WIDTH)
+        if self.position_limit is not None:  # filler needs positions too (a learned table ends)
+            padded = max(width, min(padded, self.position_limit - cache_length))
+        if padded > width:  # filler columns are hidden by causal attention; see MIN_FEED_WIDTH
+            tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, padded - width)], dim=1)
         logits, states = self._compiled(tokens, cache, forward_kwargs)
         self.compiled_calls += 1
         return logits[:, :width], states[:, :width]
@@ -293,7 +362,7 @@ def _kept(owner: nn.Module, key: str, options: CompileOptions, build: Callable[[
     entries = _COMPILED.setdefault(owner, {})
     engine = entries.get(key)
     if engine is not None and engine.options == options:
-        if engine.fingerprint == weights_fingerprint(owner):
+        if engine.weights.matches(owner):
             return engine
         warnings.warn(
             f"The weights of this {type(owner).__name__} changed since it was compiled; compiling it again "

@@ -99,10 +99,19 @@ def _refuse(model: nn.Module, reason: str) -> UnsupportedModelError:
     )
 
 
-def _close(reference: torch.Tensor, other: torch.Tensor) -> bool:
-    """Equal up to the rounding of batched matrix products in the logits' dtype."""
-    relative = 1e-3 if reference.dtype == torch.float32 or reference.dtype == torch.float64 else 5e-2
+def _close(reference: torch.Tensor, other: torch.Tensor, quantized: bool) -> bool:
+    """Equal up to the rounding of batched matrix products in the logits' dtype, or of int8 products: a row's int8
+    scale rounds last-bit differences of its float input (another attention kernel at another width) into whole
+    quantization steps (measured: 5e-3 of the largest logit on marian-base-en-de), where a missing causal mask
+    changes logits by their own size."""
+    full_precision = reference.dtype == torch.float32 or reference.dtype == torch.float64
+    relative = 1e-3 if full_precision and not quantized else 5e-2
     return bool((reference.float() - other.float()).abs().max() <= relative * (1 + reference.float().abs().max()))
+
+
+def has_int8_weights(model: nn.Module) -> bool:
+    """Whether some product of `model` runs on int8 weights (`quantize_dynamic_int8`'s layers keep them as buffers)."""
+    return any(buffer.dtype == torch.int8 for buffer in model.buffers())
 
 
 def _probe(model: nn.Module) -> DecoderCapability:
@@ -173,10 +182,11 @@ def _compare_feeds(model: nn.Module, inputs: hf.ProbeInputs, tokens: torch.Tenso
     cache = hf.new_decoder_cache()
     hf.decoder_forward(model, tokens[:, :1], cache, inputs.forward_kwargs)
     together = hf.decoder_forward(model, tokens[:, 1:], cache, inputs.forward_kwargs)[0]  # (2, T-1, V)
-    if not _close(reference[:, 1:], together):
+    quantized = has_int8_weights(model)
+    if not _close(reference[:, 1:], together, quantized):
         return "multi"
     hf.crop_cache(cache, tokens.shape[1] - 2)
     again = hf.decoder_forward(model, tokens[:, -2:], cache, inputs.forward_kwargs)[0]  # (2, 2, V)
-    if not _close(reference[:, -2:], again):
+    if not _close(reference[:, -2:], again, quantized):
         return "crop"
     return None

@@ -99,8 +99,8 @@ def with_engine(
     transformers' dynamic one.
 
     Args:
-        block_size (`int`): most tokens a row feeds per step (k); the static cache holds `max_length + k + 1`
-            positions, room for the last step's feed past the length limit.
+        block_size (`int`): most tokens a row feeds per step (k); the static cache has room for the last step's
+            feed past the length limit ([`CompiledDecoder.new_cache`]).
         blockwise_compile (`bool` or [`CompileOptions`]): `generate`'s argument; `False` decodes eagerly.
 
     Returns:
@@ -109,7 +109,7 @@ def with_engine(
     options = CompileOptions.coerce(blockwise_compile)
     engine = None if options is None else compiled_decoder(model, options)
     if engine is not None:
-        call = dataclasses.replace(call, cache=engine.new_cache(call.stop_rules.max_length + block_size + 1))
+        call = dataclasses.replace(call, cache=engine.new_cache(call.stop_rules.max_length, block_size))
     return call, engine
 
 

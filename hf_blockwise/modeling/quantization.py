@@ -15,8 +15,9 @@ output. Measured on the 2-core EPYC (1 thread; `scripts/int8_kernels.py`, `docs/
 projection costs 0.14 ms at 1 row and 0.16 ms at 4 (float32: 2.1-3.2 ms); `torch._int_mm` 0.27-0.29 ms; fbgemm fed
 one scale per row 0.11-0.13 ms, but its prepacking needs quantized tensors, deprecated in this torch.
 
-The whole product is one operator (`torch.ops.hf_blockwise.int8_linear`), so `torch.compile` keeps it in the
-graph as one opaque call and the compiled engine computes exactly what eager decoding computes in it.
+Only the integer product is an operator of its own (`torch.ops.hf_blockwise.int8_product`), opaque to
+`torch.compile`; the rows' quantization and the result's scaling are plain torch operations, which the compiled
+engine fuses with the layer norm before and the residual after, computing the same bits as eager decoding.
 
 Quantizing changes the model, and so its greedy output (the benchmark reports the quality change); blockwise
 decoding of the quantized model is then exact with respect to the quantized model's greedy decoding.
@@ -40,10 +41,7 @@ _PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # A low-level operator definition: its dispatch costs ~4 us a call here, `torch.library.custom_op`'s ~20 us (a
 # decoder step makes 37 of these calls)
 _LIBRARY = torch.library.Library("hf_blockwise", "DEF")
-_LIBRARY.define(
-    "int8_linear(Tensor inputs, Tensor weight_int8, Tensor weight_scale, Tensor weight_zero_points, Tensor? bias) "
-    "-> Tensor"
-)
+_LIBRARY.define("int8_product(Tensor rows, Tensor weight_int8, Tensor weight_scale, Tensor weight_zero_points) -> Tensor")
 
 
 def int8_kernel_available() -> bool:
@@ -60,31 +58,22 @@ def _packed(weight_int8: torch.Tensor) -> torch.Tensor:
     return entry[1]
 
 
-def int8_linear(
-    inputs: torch.Tensor,
-    weight_int8: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_zero_points: torch.Tensor,
-    bias: torch.Tensor | None,
+def int8_product(
+    rows: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Tensor, weight_zero_points: torch.Tensor
 ) -> torch.Tensor:
-    """`inputs @ dequantized(weight).T + bias`, each row of `inputs` quantized to int8 with its own scale (the
-    CPU kernel of `torch.ops.hf_blockwise.int8_linear`).
+    """`weight_scale * (rows - 128) @ weight_int8.T`, the integer sums exact in int32 (the CPU kernel of
+    `torch.ops.hf_blockwise.int8_product`, oneDNN's `qlinear_pointwise` over weights prepacked once).
 
     Args:
-        inputs (`torch.FloatTensor` of shape `(rows, in_features)`).
+        rows (`torch.ByteTensor` of shape `(rows, in_features)`): quantized rows, stored as value + 128.
         weight_int8 (`torch.CharTensor` of shape `(out_features, in_features)`): per-output-channel quantized.
         weight_scale (`torch.FloatTensor` of shape `(out_features,)`).
         weight_zero_points (`torch.LongTensor` of shape `(out_features,)`): zeros (symmetric weights).
-        bias (`torch.FloatTensor` of shape `(out_features,)`, *optional*).
 
     Returns:
         `torch.FloatTensor` of shape `(rows, out_features)`.
     """
-    # (N, 1): each row's largest magnitude maps to 127
-    scale = torch.linalg.vector_norm(inputs, float("inf"), dim=1, keepdim=True)
-    scale = scale.clamp_(min=torch.finfo(torch.float32).tiny).div_(_INT8_MAX)
-    rows = inputs.div(scale).round_().add_(_ZERO_POINT).to(torch.uint8)  # (N, in), exact integers
-    products = torch.ops.onednn.qlinear_pointwise(
+    return torch.ops.onednn.qlinear_pointwise(
         rows,
         1.0,
         _ZERO_POINT,
@@ -98,23 +87,51 @@ def int8_linear(
         "none",
         [],
         "",
-    )  # fmt: skip  (N, out): weight_scale * the exact int32 sums
-    outputs = products.mul_(scale)
-    return outputs if bias is None else outputs.add_(bias)
+    )  # fmt: skip
 
 
-_LIBRARY.impl("int8_linear", int8_linear, "CPU")
+_LIBRARY.impl("int8_product", int8_product, "CPU")
 
 
-@torch.library.register_fake("hf_blockwise::int8_linear")
-def _int8_linear_shape(
+@torch.library.register_fake("hf_blockwise::int8_product")
+def _int8_product_shape(
+    rows: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Tensor, weight_zero_points: torch.Tensor
+) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], weight_int8.shape[0], dtype=torch.float32)
+
+
+def int8_linear(
     inputs: torch.Tensor,
     weight_int8: torch.Tensor,
     weight_scale: torch.Tensor,
     weight_zero_points: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    return inputs.new_empty(inputs.shape[0], weight_int8.shape[0])
+    """`inputs @ dequantized(weight).T + bias`, each row of `inputs` quantized to int8 with its own scale.
+
+    Only the integer product is an opaque operator ([`int8_product`]); quantizing the rows and scaling the result
+    are plain torch operations, so that `torch.compile` fuses them with what precedes and follows them (one kernel
+    instead of ~8 dispatches each). Every one of them is exact or correctly rounded elementwise (a maximum, IEEE
+    division and rounding, a product, a sum; inductor compiles with `-fno-unsafe-math-optimizations` and no
+    floating-point contraction), so eager and compiled calls compute the same bits.
+
+    Args:
+        inputs (`torch.FloatTensor` of shape `(rows, in_features)`).
+        weight_int8 (`torch.CharTensor` of shape `(out_features, in_features)`): per-output-channel quantized.
+        weight_scale (`torch.FloatTensor` of shape `(out_features,)`).
+        weight_zero_points (`torch.LongTensor` of shape `(out_features,)`): zeros (symmetric weights).
+        bias (`torch.FloatTensor` of shape `(out_features,)`, *optional*).
+
+    Returns:
+        `torch.FloatTensor` of shape `(rows, out_features)`.
+    """
+    # (N, 1): each row's largest magnitude maps to 127
+    scale = torch.linalg.vector_norm(inputs, float("inf"), dim=1, keepdim=True)
+    scale = scale.clamp(min=torch.finfo(torch.float32).tiny).div(_INT8_MAX)
+    rows = inputs.div(scale).round().add(_ZERO_POINT).to(torch.uint8)  # (N, in), exact integers
+    products = torch.ops.hf_blockwise.int8_product(rows, weight_int8, weight_scale, weight_zero_points)  # (N, out)
+    outputs = products.mul(scale)
+    return outputs if bias is None else outputs.add(bias)
 
 
 class Int8Linear(nn.Module):
@@ -158,9 +175,7 @@ class Int8Linear(nn.Module):
         rows = inputs.reshape(-1, self.in_features)  # (N, in)
         if rows.dtype != torch.float32:
             rows = rows.float()
-        outputs = torch.ops.hf_blockwise.int8_linear(
-            rows, self.weight_int8, self.weight_scale, self.weight_zero_points, self.bias_float
-        )  # (N, out)
+        outputs = int8_linear(rows, self.weight_int8, self.weight_scale, self.weight_zero_points, self.bias_float)
         outputs = outputs.reshape(*inputs.shape[:-1], self.out_features)
         return outputs if inputs.dtype == torch.float32 else outputs.to(inputs.dtype)
 

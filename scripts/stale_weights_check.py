@@ -1,0 +1,68 @@
+"""What the compiled engine's stale-weight check costs, against what it guards: one compiled decoder call.
+
+    python scripts/stale_weights_check.py --threads 2
+
+Loads the shipped `marian-base-en-de`, compiles its engine, and times (median of `--repeats`) the check each
+compiled `generate` call makes ([`WeightsSnapshot.matches`]) beside one compiled decoder call of one token, batch 1.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers.utils import logging
+
+from hf_blockwise.engine import CompileOptions, WeightsSnapshot, compiled_decoder
+from hf_blockwise.loading import load_model
+from hf_blockwise.tools.arguments import parse_dataclass_args
+from hf_blockwise.tools.cli import REALISTIC_MODEL
+
+
+@dataclass
+class StaleWeightsCheckArguments:
+    """Command-line flags of this script; each field is ``--field-name`` (or ``--field_name``)."""
+
+    model: str = field(default=REALISTIC_MODEL, metadata={"help": "shipped model folder"})
+    repeats: int = field(default=200, metadata={"help": "timed repeats of each"})
+    threads: int = field(default=2, metadata={"help": "torch.set_num_threads"})
+
+
+def median_ms(function: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - begin)
+    return 1000 * statistics.median(times)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_dataclass_args(StaleWeightsCheckArguments, argv, __doc__.split("\n", 1)[0])
+    logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    base = load_model(args.model).base
+    engine = compiled_decoder(base, CompileOptions())
+    source = torch.full((1, 12), base.config.eos_token_id)
+    with torch.no_grad():
+        forward_kwargs = {"encoder_outputs": base.get_encoder()(input_ids=source), "attention_mask": None}
+        cache = engine.new_cache(64)
+        start = torch.full((1, 1), base.generation_config.decoder_start_token_id)
+        engine.forward(start, cache, forward_kwargs, cache_length=0)
+        fed = torch.full((1, 1), base.config.eos_token_id)
+        engine.forward(fed, cache, forward_kwargs, cache_length=1)  # compiles
+        call = median_ms(lambda: engine.forward(fed, cache, forward_kwargs, cache_length=1), args.repeats)
+    snapshot = WeightsSnapshot(base)
+    check = median_ms(lambda: snapshot.matches(base), args.repeats)
+    sampled = sum(reference.numel() for reference in snapshot.reference.values())
+    print(f"{args.model}: {sum(p.numel() for p in base.parameters()) / 1e6:.1f}M parameters, {sampled} values sampled")
+    print(
+        f"stale-weight check {check:.3f} ms; one compiled decoder call {call:.2f} ms; check / call {check / call:.2%}"
+    )
+
+
+if __name__ == "__main__":
+    main()
