@@ -1,6 +1,11 @@
-"""hf_blockwise: exact blockwise parallel decoding for Hugging Face seq2seq models."""
+"""hf_blockwise: exact blockwise parallel decoding for Hugging Face seq2seq models.
 
-from hf_blockwise.corpus import CorpusReport, generate_corpus
+The corpus job (`generate_corpus`, `CorpusReport`) is loaded on first use: it needs datasets and accelerate, which
+decoding does not, and which would add a second or more to every `import hf_blockwise`.
+"""
+
+from typing import Any
+
 from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts, NoDrafter, VerifiedStates
 from hf_blockwise.drafters.composite import CompositeDrafter
 from hf_blockwise.drafters.feature import FeatureDrafter
@@ -31,6 +36,18 @@ from hf_blockwise.modeling.quantization import quantize_dynamic_int8
 from hf_blockwise.modeling.shortlist import frequent_tokens
 
 __version__ = "0.1.0"
+
+# names served by the corpus package, imported when first asked for (PEP 562)
+_CORPUS_NAMES = ("CorpusReport", "generate_corpus")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CORPUS_NAMES:
+        import hf_blockwise.corpus as corpus  # datasets and accelerate: only when the corpus job is used
+
+        return getattr(corpus, name)
+    raise AttributeError(f"module 'hf_blockwise' has no attribute {name!r}")
+
 
 __all__ = [
     "AcceptanceRule",

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import hf_blockwise
 
 # The house rule for the package's code: a function longer than this is split into named helpers.
@@ -21,6 +23,19 @@ TOOLS_LOADED = "import hf_blockwise, sys; print([m for m in sys.modules if m.sta
 def test_importing_the_library_loads_no_tool() -> None:
     printed = subprocess.run([sys.executable, "-c", TOOLS_LOADED], capture_output=True, text=True, check=True).stdout
     assert printed.strip() == "[]"
+
+
+HEAVY_MODULES = ("datasets", "sacrebleu", "hf_blockwise.corpus")
+HEAVY_LOADED = f"import hf_blockwise, sys; print(sorted(m for m in {HEAVY_MODULES!r} if m in sys.modules))"
+
+
+def test_importing_the_library_loads_no_corpus_dependency_until_the_corpus_job_is_used() -> None:
+    """datasets (~1.5 s to import) and sacrebleu are loaded where they are used, not by `import hf_blockwise`."""
+    printed = subprocess.run([sys.executable, "-c", HEAVY_LOADED], capture_output=True, text=True, check=True).stdout
+    assert printed.strip() == "[]"
+    assert hf_blockwise.generate_corpus.__module__ == "hf_blockwise.corpus.job"  # served on first use
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        hf_blockwise.nope  # noqa: B018
 
 
 def test_the_public_api_comes_from_the_library() -> None:

@@ -3,6 +3,7 @@ through it, a save that fails midway leaves the previous one intact, and wrong o
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from collections.abc import Callable
@@ -251,3 +252,38 @@ def test_heads_saved_with_their_base_record_its_weights_as_they_are_now(tmp_path
         loaded = BlockwiseHeadsModel.from_pretrained(tmp_path, base_model=trained_base)
     assert loaded.blockwise_config.base_fingerprint != recorded_at_attach
     assert loaded.blockwise_config.base_model_name_or_path == os.path.abspath(tmp_path)
+
+
+SHIPPED = Path(__file__).resolve().parent.parent / "hf_blockwise" / "pretrained"
+
+
+def test_an_adapter_copied_without_its_base_never_picks_up_the_current_directory(tmp_path, monkeypatch) -> None:
+    """The shipped heads record their base as ".", meaning their own folder. Copied alone and loaded from inside
+    another model's folder, they must not attach to that model: a clear error names where the base was looked for."""
+    copy = tmp_path / "heads-only"
+    copy.mkdir()
+    for name in ("blockwise_config.json", "blockwise_heads.safetensors"):
+        (copy / name).write_bytes((SHIPPED / "multi30k-en-de" / name).read_bytes())
+    monkeypatch.chdir(SHIPPED / "gec-en")  # a model folder: "." read against the current directory would load it
+    with pytest.raises(ValueError, match="relative to itself") as error:
+        BlockwiseHeadsModel.from_pretrained(copy)
+    assert str(copy) in str(error.value)
+    # with the base given explicitly the heads attach, and the recorded fingerprint tells a stranger from their base
+    stranger = AutoModelForSeq2SeqLM.from_pretrained(SHIPPED / "gec-en")
+    with pytest.warns(UserWarning, match="weights differ from that base's"):
+        BlockwiseHeadsModel.from_pretrained(copy, base_model=stranger)
+    own = AutoModelForSeq2SeqLM.from_pretrained(SHIPPED / "multi30k-en-de")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        BlockwiseHeadsModel.from_pretrained(copy, base_model=own)
+
+
+def test_every_shipped_adapter_records_its_bases_fingerprint() -> None:
+    configs = [
+        path
+        for pattern in ("*/blockwise_config.json", "*/*/blockwise_config.json", "*/*/feature_drafter_config.json")
+        for path in SHIPPED.glob(pattern)
+    ]
+    assert len(configs) == 7
+    for path in configs:
+        assert json.loads(path.read_text())["base_fingerprint"], path

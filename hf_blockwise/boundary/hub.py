@@ -77,23 +77,45 @@ def check_local_path(name_or_path: str | os.PathLike, what: str) -> None:
         raise ValueError(f"{what} {text!r}: {kind} ({where}); check the path (hub ids have the form 'org/name')")
 
 
-def base_location(heads_name_or_path: str | os.PathLike, base_name_or_path: str) -> str:
-    """A relative base path is looked up beside the heads first, so a directory holding both (e.g. with
-    `base_model_name_or_path="."`) can be moved or shipped as one piece."""
+def base_location(heads_name_or_path: str | os.PathLike, base_name_or_path: str, required: bool = True) -> str | None:
+    """Where the base an adapter records is: a relative path is read against the adapter's own directory, never
+    against the current one, so a directory holding both (e.g. with `base_model_name_or_path="."`) can be moved or
+    shipped as one piece, and an adapter copied without its base finds no stray model.
+
+    A name with no base beside the adapter is a hub id (`org/name`) or an absolute path, as written.
+
+    Args:
+        required (`bool`): whether a base relative to the adapter must be there; without, such a missing base is
+            `None` (a base model is passed explicitly, and the recorded one is not loaded).
+
+    Raises:
+        `ValueError` for a path relative to the adapter (`"."`, `"./x"`, `"../x"`) with no model there, naming
+        where it looked (when `required`).
+    """
     beside_heads = os.path.join(heads_name_or_path, base_name_or_path)
     if not os.path.isabs(base_name_or_path) and os.path.isfile(os.path.join(beside_heads, "config.json")):
         return beside_heads
+    if base_name_or_path.replace("\\", "/").split("/")[0] in (".", ".."):
+        if not required:
+            return None
+        raise ValueError(
+            f"{os.fspath(heads_name_or_path)!r} names its base as {base_name_or_path!r}, relative to itself, and "
+            f"{os.path.abspath(beside_heads)} holds no model (no config.json): copy the base there, or pass the "
+            "base model explicitly (base_model=, verifier=)"
+        )
     return base_name_or_path
 
 
-def resolved_base_location(adapter_name_or_path: str | os.PathLike, base_name_or_path: str | None) -> str | None:
+def resolved_base_location(
+    adapter_name_or_path: str | os.PathLike, base_name_or_path: str | None, required: bool = True
+) -> str | None:
     """Where an adapter's (heads', drafter's) recorded base is: [`base_location`], made absolute when it is a local
     directory, so that the adapter re-saved anywhere still names a base that resolves (a bare `"."` would be
     read against the current directory)."""
     if base_name_or_path is None:
         return None
-    location = base_location(adapter_name_or_path, base_name_or_path)
-    return os.path.abspath(location) if os.path.isdir(location) else location
+    location = base_location(adapter_name_or_path, base_name_or_path, required)
+    return location if location is None or not os.path.isdir(location) else os.path.abspath(location)
 
 
 # How many weights of the output projection a fingerprint samples, and how close two samples must be to be taken
@@ -186,7 +208,7 @@ def adapter_base(
     ([`warn_if_other_base`], by `fingerprint` when the config recorded one); else the recorded base
     ([`resolved_base_location`]) loaded with [`load_encoder_decoder`]`(location, **base_model_kwargs)`.
     """
-    location = resolved_base_location(adapter_name_or_path, recorded)
+    location = resolved_base_location(adapter_name_or_path, recorded, required=base_model is None)
     if base_model is not None:
         warn_if_other_base(location, unwrap_base(base_model), what, fingerprint)
         return location, base_model

@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import sacrebleu
 import torch
 from torch import nn
 from tqdm.auto import tqdm
@@ -314,6 +313,8 @@ def _score(
         if references is not None and result.texts:
             if len(references) != len(result.texts):
                 raise ValueError(f"{len(result.texts)} outputs but {len(references)} references")
+            import sacrebleu  # only where BLEU is scored: not on `import hf_blockwise`
+
             result.bleu = sacrebleu.corpus_bleu(result.texts, [list(references)], force=True).score
             if word_error:
                 result.wer = word_error_rate(references, result.texts)
