@@ -82,7 +82,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "int8 eager": (int8, False),
         "int8 compiled": (int8, True),
     }
-    print("| call | weight bytes | bytes' time | " + " | ".join(f"{n} tok" for n in range(1, args.max_tokens + 1)) + " |")
+    widths = " | ".join(f"{n} tok" for n in range(1, args.max_tokens + 1))
+    print(f"| call | weight bytes | bytes' time | {widths} |")
     print("|---|---|---|" + "---|" * args.max_tokens)
     for name, (model, compiled) in rows.items():
         curve = decoder_cost_curve(

@@ -39,9 +39,11 @@ _ZERO_POINT = 128
 _PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 # A low-level operator definition: its dispatch costs ~4 us a call here, `torch.library.custom_op`'s ~20 us (a
-# decoder step makes 37 of these calls)
+# decoder step of marian-base-en-de makes 49 of these calls)
 _LIBRARY = torch.library.Library("hf_blockwise", "DEF")
-_LIBRARY.define("int8_product(Tensor rows, Tensor weight_int8, Tensor weight_scale, Tensor weight_zero_points) -> Tensor")
+_LIBRARY.define(
+    "int8_product(Tensor rows, Tensor weight_int8, Tensor weight_scale, Tensor weight_zero_points) -> Tensor"
+)
 
 
 def int8_kernel_available() -> bool:
@@ -203,6 +205,7 @@ def quantize_dynamic_int8(model: nn.Module) -> nn.Module:
         The same `model`, for chaining.
     """
 
+    hf.check_model_argument("quantize_dynamic_int8(model)", model)
     base = hf.unwrap_base(model)
     devices = {parameter.device.type for parameter in base.parameters()}
     if devices != {"cpu"}:
