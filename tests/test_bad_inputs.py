@@ -23,6 +23,7 @@ from hf_blockwise import (
     InputCopyDrafter,
     MinimumBlockAcceptance,
     blockwise_generate,
+    quantize_dynamic_int8,
 )
 from hf_blockwise.boundary import base_weights_fingerprint, save_shipped_model
 from hf_blockwise.modeling.config import CONFIG_NAME, MAX_BLOCK_SIZE
@@ -254,6 +255,15 @@ def test_wrapping_a_path_or_a_dict_gives_type_errors_naming_the_fix(marian) -> N
             wrapper(42)
     with pytest.raises(TypeError, match="takes a BlockwiseConfig or None, got FeatureDrafterConfig"):
         BlockwiseHeadsModel(marian, FeatureDrafterConfig())
+
+
+def test_a_path_where_a_loaded_model_belongs_is_a_type_error_naming_the_fix() -> None:
+    for call, name in ((quantize_dynamic_int8, "quantize_dynamic_int8"), (InputCopyDrafter, "InputCopyDrafter")):
+        with pytest.raises(TypeError, match=rf"{name}\(model\) takes a loaded model, got the path 'a/path'.*"
+                           r"from_pretrained\(path\)"):  # fmt: skip
+            call("a/path")
+        with pytest.raises(TypeError, match=rf"{name}\(model\) takes a loaded transformers model, got int"):
+            call(3)
 
 
 def test_a_model_on_the_meta_device_is_refused(heads) -> None:

@@ -72,6 +72,22 @@ def check_materialized(model: nn.Module) -> None:
         )
 
 
+def check_model_argument(callee: str, model: Any) -> None:
+    """A `TypeError` naming what to pass when `callee` is given a path, or anything else, where a loaded model
+    belongs (instead of an `AttributeError` from deep inside).
+
+    Args:
+        callee (`str`): what was called, e.g. `"quantize_dynamic_int8(model)"`.
+    """
+    if isinstance(model, (str, os.PathLike)):
+        raise TypeError(
+            f"{callee} takes a loaded model, got the path {os.fspath(model)!r}: load it first, e.g. "
+            "AutoModelForSeq2SeqLM.from_pretrained(path)"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{callee} takes a loaded transformers model, got {type(model).__name__}")
+
+
 def check_wrap_arguments(wrapper: str, base_model: Any, config: Any, config_class: type) -> None:
     """`TypeError`s for what a wrapper's `__init__(base_model, config)` is commonly given instead (a path, a
     dict), naming what to call, and a `ValueError` for a base whose weights were never loaded.

@@ -172,6 +172,7 @@ class InputCopyDrafter(Drafter):
         if max_draft_length < 1 or max_ngram < 1:
             raise ValueError(f"max_draft_length and max_ngram must be >= 1, got {max_draft_length}, {max_ngram}")
 
+        hf.check_model_argument("InputCopyDrafter(model)", model)
         hf.check_shared_vocabulary(hf.unwrap_base(model))
         self.block_size = max_draft_length + 1
         self.max_ngram = max_ngram
