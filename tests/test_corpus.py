@@ -147,6 +147,8 @@ def test_inputs_and_outputs_are_refused_clearly(tmp_path, model_dir) -> None:
         read_sources(["w5", None], None, None)
     with pytest.raises(ValueError, match=r"missing/file.txt: no such file"):
         read_sources(str(tmp_path / "missing" / "file.txt"), None, None)
+    with pytest.raises(ValueError, match=r"'A dog runs on the beach' is no file, .* pass a list of strings"):
+        read_sources("A dog runs on the beach", None, None)  # a sentence where a file belongs: no hub request
 
     arguments = {"max_new_tokens": MAX_NEW_TOKENS, "progress": False}
     (tmp_path / "foreign.txt").write_text("someone else's work\n")

@@ -7,6 +7,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,7 +55,16 @@ def read_sources(source: str | Sequence[str] | datasets.Dataset, column: str | N
     if os.path.splitext(name)[1]:  # a file name, not a dataset id
         raise ValueError(f"--input {path}: no such file")
     hf.check_local_path(path, "--input")  # a missing local folder gets a clear error, not the hub's
+    if not _HUB_DATASET_ID.fullmatch(path):  # a sentence passed where a file belongs, say: not worth a hub request
+        raise ValueError(
+            f"--input {path!r} is no file, saved dataset or hub dataset id ('org/name'); to decode a few sources, "
+            "pass a list of strings, e.g. generate_corpus(model, ['A dog runs.'], output)"
+        )
     return _dataset_column(_pick_split(datasets.load_dataset(path, split=split), split, path), column, path)
+
+
+# what a dataset id on the hub can be: a name, or an owner and a name (letters, digits, '-', '_', '.')
+_HUB_DATASET_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
 
 
 def _is_saved_dataset(path: str) -> bool:
