@@ -20,13 +20,15 @@ What keeps the compiled graph from recompiling during a call:
 One arithmetic for every call of a decode. A token's logits must not depend on how many tokens its call feeds, or
 a verification call of k tokens could round differently from greedy's one-token calls. Measured on this CPU, two
 kernels do depend on it, only below 3 rows: float32 `linear` and attention's products take another path (gemv) for
-one row and for two, and give a row the same bits at every count of rows from 3 up to ~13 (sgemm). So the engine
+one row, and attention at opus-mt's head size for two as well; from 3 up to ~13 rows they give a row the same bits
+(sgemm). So the engine
 feeds every call at least `MIN_FEED_WIDTH` (3) columns, greedy's one-token calls padded with filler that causal
 attention hides, and every cache of a decode has the same capacity, whatever the drafter's block size (attention
 reads the whole buffer; a longer one may group its masked sums differently). With int8 products, which are exact
 (int32 sums) for any number of rows, a k-token call then computes bit for bit what k one-token calls compute, at
 any batch size: the engine's greedy (`blockwise_compile=True`, no assistant) *is* the int8 model's greedy output,
-and every drafter reproduces it by construction (`tests/test_engine.py` checks the logits with `torch.equal`).
+and every drafter reproduces it by construction (`tests/test_one_arithmetic.py` checks the logits with
+`torch.equal`).
 float32 products depend on the rows of the whole call (batch x width), so in float32 this holds only where that
 count stays within one sgemm path; elsewhere, and against transformers' eager greedy (other kernels, fused
 differently), an output may differ only at a near-tie, which [`first_divergence`] shows.
@@ -232,11 +234,11 @@ class CompiledDecoder:
 
     def __init__(self, model: nn.Module, options: CompileOptions) -> None:
         self.options = options
-        self.weights = WeightsSnapshot(model)
         self.position_limit = hf.decoder_position_limit(model)
         self.num_layers = hf.decoder_layer_count(model)
         self._step = _DecoderStep(model)
         self._compiled = CompiledModule(self._step, options, model)
+        self.weights = self._compiled.weights  # the model's weights as the graph freezes them
         self.freezing = self._compiled.freezing
         self.compiled_calls = 0
 
