@@ -11,33 +11,34 @@ gec=hf_blockwise/pretrained/gec-en
 
 base=hf_blockwise/pretrained/marian-base-en-de
 
+# the source and reference files of a test set: set_files multi30k|europarl sets $src and $ref
+set_files() {
+    if [ "$1" = multi30k ]; then
+        src=$data/multi30k/test_2016_flickr.en.gz; ref=$data/multi30k/test_2016_flickr.de.gz
+    else
+        src=$data/europarl_de_en/validation.en; ref=$data/europarl_de_en/validation.de
+    fi
+}
+
 # issue 31: one arithmetic for every compiled call; int8 drafting against the int8 engine's greedy, both sets at
 # batch 1 and Europarl at batch 16, CTranslate2 beside them; the int8 call's cost against its bytes; what the
 # stale-weight check costs
 python scripts/int8_call_cost.py --threads 2 > docs/bench/int8-call-cost.md
 for set in europarl multi30k; do
-    if [ $set = multi30k ]; then
-        src=$data/multi30k/test_2016_flickr.en.gz; ref=$data/multi30k/test_2016_flickr.de.gz
-    else
-        src=$data/europarl_de_en/validation.en; ref=$data/europarl_de_en/validation.de
-    fi
+    set_files $set
     hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 100 --batch-sizes 1 \
         --threads 2 --modes greedy greedy_compiled greedy_int8_compiled feature_compiled feature_int8_compiled \
         heads_int8_compiled ct2 ct2_int8 --out docs/bench/marian-base-$set-int8-b1
 done
-hf-blockwise bench --model $base --source-file $data/europarl_de_en/validation.en \
-    --reference-file $data/europarl_de_en/validation.de --sentences 96 --batch-sizes 16 --threads 2 \
+set_files europarl
+hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 96 --batch-sizes 16 --threads 2 \
     --modes greedy greedy_int8_compiled feature_int8_compiled --out docs/bench/marian-base-europarl-int8-b16
 python scripts/stale_weights_check.py --threads 2
 
 # issue 26: the realistic base (opus-mt-en-de's decoder shape) with its drafters, exact int8 and CTranslate2 side by
 # side (2 threads each), Multi30k test_2016 and Europarl validation, batch 1 and 16
 for set in multi30k europarl; do
-    if [ $set = multi30k ]; then
-        src=$data/multi30k/test_2016_flickr.en.gz; ref=$data/multi30k/test_2016_flickr.de.gz
-    else
-        src=$data/europarl_de_en/validation.en; ref=$data/europarl_de_en/validation.de
-    fi
+    set_files $set
     hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 100 --batch-sizes 1 \
         --threads 2 --modes greedy greedy_compiled greedy_int8 greedy_int8_compiled feature feature_compiled \
         feature_int8_compiled heads_compiled heads_int8_compiled oracle_compiled ct2 ct2_int8 \
