@@ -83,6 +83,19 @@ class LoadedModel:
             feature_model=feature_model, nar_model=None,
         )  # fmt: skip
 
+    def int8_drafter_copy(self) -> LoadedModel:
+        """This model with a copy of its feature drafter whose layer runs in int8, on the same (float) base: a
+        draft moves a quarter of the layer's bytes, and drafts are only proposals, so the output is the base's own.
+
+        Raises:
+            `ValueError` when the model ships no feature drafter.
+        """
+        if self.feature_model is None:
+            raise ValueError("an int8 drafter needs the model's feature drafter, and this model ships none")
+        feature_model = copy.deepcopy(self.feature_model, memo={id(self.base): self.base})  # the base is shared
+        quantize_linears_int8(feature_model.layer)
+        return dataclasses.replace(self, feature_model=feature_model)
+
     def to(self, device: torch.device | str) -> LoadedModel:
         """Moves every loaded model to `device` (in place, as `nn.Module.to` does); returns `self`."""
         models = (self.base, self.heads_model, self.feature_model, self.sequential_heads_model, self.nar_model)

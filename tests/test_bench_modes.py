@@ -11,7 +11,8 @@ from conftest import build_model
 from hf_blockwise import InputCopyDrafter
 from hf_blockwise.loading import LoadedModel, build_drafter, missing_drafter
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
-from hf_blockwise.tools.bench import MODE_NAMES, BenchSetup, Mode, available_modes
+from hf_blockwise.modeling.quantization import Int8Linear
+from hf_blockwise.tools.bench import MODE_NAMES, BenchSetup, Mode, available_modes, run_bench
 
 
 def test_every_listed_mode_parses_and_keeps_its_name() -> None:
@@ -37,6 +38,8 @@ def test_every_listed_mode_parses_and_keeps_its_name() -> None:
         ("greedy_int8_compiled", "greedy", True, True, None, "config", "greedy_int8"),
         ("feature_int8_compiled", "feature", True, True, None, "config", "greedy_int8_compiled"),
         ("feature_int8", "feature", False, True, None, "config", "greedy_int8"),
+        ("feature_int8d_compiled", "feature_int8d", True, False, None, "config", "greedy_compiled"),
+        ("feature_int8d", "feature_int8d", False, False, None, "config", "greedy"),
     ],
 )
 def test_mode_fields(name, family, compiled, int8, block_size, threshold, reference) -> None:
@@ -56,6 +59,8 @@ def test_mode_properties() -> None:
     assert not Mode.parse("ct2_int8").on_int8_model and Mode.parse("iad_int8").on_int8_model
     assert Mode.parse("assisted").batch_one_only and not Mode.parse("heads").batch_one_only
     assert Mode.parse("oracle_compiled").at_block_size(3) == Mode.parse("oracle_k3_compiled")
+    assert Mode.parse("feature_int8d").on_int8_drafter and Mode.parse("feature_int8d").drafter == "feature"
+    assert not Mode.parse("feature_int8d").on_int8_model and not Mode.parse("feature_int8").on_int8_drafter
 
 
 @pytest.mark.parametrize("name", ["beam4_compiled", "heads_k3_int8", "feature_t0.3.4", "loop_int8", "nope"])
@@ -82,3 +87,20 @@ def test_a_mode_brings_its_references_references() -> None:
     setup = BenchSetup(LoadedModel(base=base, tokenizer=None, feature_model=FeatureDrafterModel(base)))
     names = [mode.name for mode in available_modes(setup, ["feature_int8_compiled"])]
     assert names[:3] == ["greedy", "greedy_int8", "greedy_int8_compiled"]
+
+
+def test_an_int8_drafter_over_the_float_model_drafts_and_gives_float_greedy() -> None:
+    """`feature_int8d`: the feature drafter's layer in int8 (a copy), the float32 base unchanged and shared; drafts
+    are only proposals, so the output is float32 greedy's."""
+    base = build_model("marian")
+    loaded = LoadedModel(base=base, tokenizer=None, feature_model=FeatureDrafterModel(base).eval())
+    copy = loaded.int8_drafter_copy()
+    assert copy.base is base and copy.feature_model is not loaded.feature_model
+    assert isinstance(copy.feature_model.layer.out, Int8Linear) and copy.feature_model.base_model is base
+    assert not any(isinstance(module, Int8Linear) for module in base.modules())
+    sources = [[5, 6, 7, 8], [9, 10, 11, 12, 13]]
+    results = run_bench(BenchSetup(loaded, max_new_tokens=12), sources, None, ["feature_int8d"], [1], progress=False)
+    row = {result.mode: result for result in results}["feature_int8d"]
+    assert row.identical == row.compared == 2
+    with pytest.raises(ValueError, match="ships none"):
+        LoadedModel(base=base, tokenizer=None).int8_drafter_copy()

@@ -18,14 +18,17 @@ COMPILED_SUFFIX = "_compiled"
 COMPILED_MODES = (
     "greedy_compiled", "oracle_compiled", "heads_compiled", "seq_heads_compiled", "feature_compiled", "iad_compiled",
     "composite_compiled", "gad_compiled", "hf_greedy_compiled", "greedy_int8_compiled", "heads_int8_compiled",
-    "feature_int8_compiled",
+    "feature_int8_compiled", "feature_int8d_compiled",
 )  # fmt: skip
 # int8 dynamically quantized torch models, exact with respect to the int8 model's greedy (`greedy_int8`; compiled:
 # the engine's int8 greedy `greedy_int8_compiled`)
 INT8_MODES = ("greedy_int8", "heads_int8", "iad_int8", "feature_int8")
+# the float32 model drafted by its feature drafter with the drafter's layer in int8: exact w.r.t. float32 greedy
+INT8_DRAFTER_FAMILY = "feature_int8d"
 MODE_NAMES = (
     "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_full_vocab", "heads_top2", "seq_heads", "feature",
-    "composite", "iad", "iad_realign", "gad", "gad_pp", *INT8_MODES, "loop", "oracle", "ct2", "ct2_int8",
+    "composite", "iad", "iad_realign", "gad", "gad_pp", *INT8_MODES, INT8_DRAFTER_FAMILY, "loop", "oracle", "ct2",
+    "ct2_int8",
     *COMPILED_MODES,
 )  # fmt: skip
 DEFAULT_MODES = (
@@ -49,8 +52,8 @@ _SIZED = re.compile(r"(heads|seq_heads|feature)_k(\d+)(?:_t([0-9.]+))?|feature_t
 # the drafter ([`hf_blockwise.loading.build_drafter`]) of each drafting family
 _DRAFTERS = {
     "heads": "heads", "heads_full_vocab": "heads", "heads_top2": "heads", "seq_heads": "seq_heads",
-    "feature": "feature", "composite": "composite", "iad": "input_copy", "iad_realign": "input_copy", "gad": "nar",
-    "gad_pp": "nar",
+    "feature": "feature", INT8_DRAFTER_FAMILY: "feature", "composite": "composite", "iad": "input_copy",
+    "iad_realign": "input_copy", "gad": "nar", "gad_pp": "nar",
 }  # fmt: skip
 _BATCH_ONE_ONLY = ("prompt_lookup", "assisted")  # transformers' assisted generation decodes one row at a time
 _CT2_COMPUTE_TYPES = {False: "float32", True: "int8"}
@@ -64,7 +67,8 @@ class Mode:
         name (`str`): the name as given (the row of the report).
         family (`str`): what decodes: `greedy`, `hf_greedy`, `beam4`, `prompt_lookup`, `assisted`, `loop`, `oracle`,
             `ct2`, or a drafting family (`heads`, `heads_full_vocab`, `heads_top2`, `seq_heads`, `feature`,
-            `composite`, `iad`, `iad_realign`, `gad`, `gad_pp`).
+            `feature_int8d` (its layer in int8, over the float32 model), `composite`, `iad`, `iad_realign`, `gad`,
+            `gad_pp`).
         compiled (`bool`): through the compiled engine (`_compiled`).
         int8 (`bool`): int8 weights (`_int8`; for `ct2`, CTranslate2's int8 compute type).
         block_size (`int`, *optional*): the k of a sized mode (`heads_k3`, `oracle_k4`); `None`: the trained one
@@ -127,6 +131,11 @@ class Mode:
     def on_int8_model(self) -> bool:
         """Whether this mode decodes with the int8 quantized torch model."""
         return self.int8 and self.family != "ct2"
+
+    @property
+    def on_int8_drafter(self) -> bool:
+        """Whether this mode drafts with an int8 copy of the feature drafter over the float32 model."""
+        return self.family == INT8_DRAFTER_FAMILY
 
     @property
     def ct2_compute_type(self) -> str | None:

@@ -81,6 +81,11 @@ def run_bench(
     ct2_modes = [mode for mode in chosen if mode.family == "ct2"]
     chosen = [mode for mode in chosen if mode.family != "ct2"]
     int8_setup = _int8_setup(setup) if any(mode.on_int8_model for mode in chosen) else None
+    int8_drafter_setup = (
+        dataclasses.replace(setup, loaded=setup.loaded.int8_drafter_copy())
+        if any(mode.on_int8_drafter for mode in chosen)
+        else None
+    )
     loaded = setup.loaded
     pad_token_id = loaded.base.config.pad_token_id
     device = next(loaded.base.parameters()).device
@@ -90,7 +95,7 @@ def run_bench(
         for batch in batches:  # an over-long source is a clear error before anything is timed
             hf.check_generate_inputs(loaded.base, (), batch)
         active = {mode.name: mode for mode in chosen if batch_size == 1 or not mode.batch_one_only}
-        runs = {name: (mode, int8_setup if mode.on_int8_model else setup) for name, mode in active.items()}
+        runs = {name: (mode, _setup_of(mode, setup, int8_setup, int8_drafter_setup)) for name, mode in active.items()}
         for name, (mode, variant_setup) in (variants or {}).items():
             if name in runs:
                 raise ValueError(f"variant name {name!r} is also a mode")
@@ -113,6 +118,16 @@ def run_bench(
         if ct2_modes:
             results += measure_ct2(setup, ct2_modes, batches, greedy_outputs, by_mode["greedy"], references, progress)
     return results
+
+
+def _setup_of(
+    mode: Mode, setup: BenchSetup, int8_setup: BenchSetup | None, int8_drafter_setup: BenchSetup | None
+) -> BenchSetup:
+    """The setup `mode` decodes with: the int8 model's, the float32 model's with an int8 feature drafter, or the
+    float32 model's."""
+    if mode.on_int8_model:
+        return int8_setup
+    return int8_drafter_setup if mode.on_int8_drafter else setup
 
 
 def _int8_setup(setup: BenchSetup) -> BenchSetup:
