@@ -34,6 +34,13 @@ set_files europarl
 hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 96 --batch-sizes 16 --threads 2 \
     --modes greedy greedy_int8_compiled feature_int8_compiled --out docs/bench/marian-base-europarl-int8-b16
 python scripts/stale_weights_check.py --threads 2
+# an int8 feature drafter over the float32 model (a separate run, batch 1)
+for set in multi30k europarl; do
+    set_files $set
+    hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 100 --batch-sizes 1 \
+        --threads 2 --modes greedy greedy_compiled feature_compiled feature_int8d_compiled \
+        --out docs/bench/marian-base-$set-int8-drafter-b1
+done
 
 # issue 26: the realistic base (opus-mt-en-de's decoder shape) with its drafters, exact int8 and CTranslate2 side by
 # side (2 threads each), Multi30k test_2016 and Europarl validation, batch 1 and 16

@@ -99,31 +99,35 @@ def test_changed_weights_are_recompiled_not_served_stale_and_other_models_keep_t
         assert torch.equal(_generate(other, other_batch, blockwise_compile=True), other_output)
 
 
-@pytest.mark.parametrize(
-    "change",
-    [
-        lambda model: model.get_output_embeddings().weight.data.mul_(-1.0),  # no version counter moves
-        lambda model: model.get_decoder().layers[0].self_attn.v_proj.weight.data.mul_(-4.0),
-        lambda model: setattr(
-            model.get_decoder().layers[-1].fc2.weight,
-            "data",
-            torch.zeros_like(model.get_decoder().layers[-1].fc2.weight),
-        ),
-    ],
-    ids=["data-mul", "data-mul-attention", "data-assign"],
-)
-def test_writes_through_data_are_seen_and_recompiled(change) -> None:
+def _negate_projection(model) -> None:
+    model.get_output_embeddings().weight.data.mul_(-1.0)  # no version counter moves
+
+
+def _scale_attention(model) -> None:
+    model.get_decoder().layers[0].self_attn.v_proj.weight.data.mul_(-4.0)
+
+
+def _assign_zeros(model) -> None:
+    weight = model.get_decoder().layers[-1].fc2.weight
+    weight.data = torch.zeros_like(weight)
+
+
+def test_writes_through_data_are_seen_and_recompiled() -> None:
+    """Each change after a compiled generate: the next compiled generate warns, compiles again and decodes the new
+    weights (one model, changed three ways in turn)."""
     model = build_model("marian", seed=4)
     batch = random_batch(model, 2, seed=3)
     before = _generate(model, batch, blockwise_compile=True)
-    first = compiled_decoder(model, CompileOptions())
-    change(model)
-    with pytest.warns(UserWarning, match="changed since it was compiled"):
-        after = _generate(model, batch, blockwise_compile=True)
-    assert compiled_decoder(model, CompileOptions()) is not first
-    eager = model.generate(**batch, max_new_tokens=20)
-    assert not torch.equal(eager, before)  # the change changes the output: a stale graph would be seen
-    _assert_equal_or_near_tie(model, batch, eager, after)
+    for change in (_negate_projection, _scale_attention, _assign_zeros):
+        engine = compiled_decoder(model, CompileOptions())
+        change(model)
+        with pytest.warns(UserWarning, match="changed since it was compiled"):
+            after = _generate(model, batch, blockwise_compile=True)
+        assert compiled_decoder(model, CompileOptions()) is not engine, change.__name__
+        eager = model.generate(**batch, max_new_tokens=20)
+        assert not torch.equal(eager, before), change.__name__  # the output changed: a stale graph would be seen
+        _assert_equal_or_near_tie(model, batch, eager, after)
+        before = eager
 
 
 def test_the_weights_snapshot_sees_a_strided_write_and_nothing_else() -> None:
