@@ -73,11 +73,7 @@ class LoadedModel:
         quantized = quantize_dynamic_int8(copy.deepcopy(source))
         heads_model = quantized if self.heads_model is not None else None
         base = quantized.base_model if heads_model is not None else quantized
-        feature_model = None
-        if self.feature_model is not None:
-            # a copy that shares the quantized base instead of copying the float one
-            feature_model = copy.deepcopy(self.feature_model, memo={id(self.base): base})
-            quantize_linears_int8(feature_model.layer)
+        feature_model = None if self.feature_model is None else self._int8_feature_model(base)
         return dataclasses.replace(
             self, base=base, heads_model=heads_model, assistant_model=None, sequential_heads_model=None,
             feature_model=feature_model, nar_model=None,
@@ -92,9 +88,14 @@ class LoadedModel:
         """
         if self.feature_model is None:
             raise ValueError("an int8 drafter needs the model's feature drafter, and this model ships none")
-        feature_model = copy.deepcopy(self.feature_model, memo={id(self.base): self.base})  # the base is shared
+        return dataclasses.replace(self, feature_model=self._int8_feature_model(self.base))
+
+    def _int8_feature_model(self, base: nn.Module) -> FeatureDrafterModel:
+        """A copy of the feature drafter on `base` (shared, not copied: the float base or its int8 copy), its layer
+        quantized to int8."""
+        feature_model = copy.deepcopy(self.feature_model, memo={id(self.base): base})
         quantize_linears_int8(feature_model.layer)
-        return dataclasses.replace(self, feature_model=feature_model)
+        return feature_model
 
     def to(self, device: torch.device | str) -> LoadedModel:
         """Moves every loaded model to `device` (in place, as `nn.Module.to` does); returns `self`."""
