@@ -80,12 +80,7 @@ def run_bench(
     chosen = available_modes(setup, modes)
     ct2_modes = [mode for mode in chosen if mode.family == "ct2"]
     chosen = [mode for mode in chosen if mode.family != "ct2"]
-    int8_setup = _int8_setup(setup) if any(mode.on_int8_model for mode in chosen) else None
-    int8_drafter_setup = (
-        dataclasses.replace(setup, loaded=setup.loaded.int8_drafter_copy())
-        if any(mode.on_int8_drafter for mode in chosen)
-        else None
-    )
+    int8_setup, int8_drafter_setup = _int8_setups(setup, chosen)
     loaded = setup.loaded
     pad_token_id = loaded.base.config.pad_token_id
     device = next(loaded.base.parameters()).device
@@ -120,6 +115,17 @@ def run_bench(
     return results
 
 
+def _int8_setups(setup: BenchSetup, modes: Sequence[Mode]) -> tuple[BenchSetup | None, BenchSetup | None]:
+    """The setups over the int8 model ([`LoadedModel.int8_copy`]) and over the float32 model with an int8 feature
+    drafter ([`LoadedModel.int8_drafter_copy`]), each only where one of `modes` decodes with it."""
+    int8 = any(mode.on_int8_model for mode in modes)
+    int8_drafter = any(mode.on_int8_drafter for mode in modes)
+    return (
+        dataclasses.replace(setup, loaded=setup.loaded.int8_copy()) if int8 else None,
+        dataclasses.replace(setup, loaded=setup.loaded.int8_drafter_copy()) if int8_drafter else None,
+    )
+
+
 def _setup_of(
     mode: Mode, setup: BenchSetup, int8_setup: BenchSetup | None, int8_drafter_setup: BenchSetup | None
 ) -> BenchSetup:
@@ -128,11 +134,6 @@ def _setup_of(
     if mode.on_int8_model:
         return int8_setup
     return int8_drafter_setup if mode.on_int8_drafter else setup
-
-
-def _int8_setup(setup: BenchSetup) -> BenchSetup:
-    """`setup` over an int8 quantized copy of its model ([`LoadedModel.int8_copy`]), for the int8 modes."""
-    return dataclasses.replace(setup, loaded=setup.loaded.int8_copy())
 
 
 def _recording(runner: Runner, outputs: dict[int, Any]) -> Runner:
