@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import warnings
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from hf_blockwise import (
 from hf_blockwise.drafters.base import DraftRequest
 from hf_blockwise.loading import LoadedModel
 from hf_blockwise.modeling.config import FeatureDrafterConfig
-from hf_blockwise.modeling.quantization import Int8Linear
+from hf_blockwise.modeling.quantization import Int8Linear, Int8StateDictWarning, float_state_dict
 from hf_blockwise.tools.cli import main
 
 
@@ -81,6 +82,22 @@ def test_int8_needs_a_cpu_model() -> None:
     base = build_model("marian").to("meta")
     with pytest.raises(ValueError, match="targets CPU decoding"):
         quantize_dynamic_int8(base)
+
+
+def test_saving_an_int8_model_says_it_writes_the_float_weights_and_requantizing_restores_it(tmp_path) -> None:
+    """`save_pretrained` of an int8 model writes the float weights its int8 copies were made from, and says so:
+    quantized again after loading, it is the same int8 model, bit for bit."""
+    base = quantize_dynamic_int8(build_model("marian", seed=7))
+    with pytest.warns(Int8StateDictWarning, match="quantize_dynamic_int8"):
+        base.save_pretrained(tmp_path)
+    reloaded = type(base).from_pretrained(tmp_path)
+    assert not any(isinstance(module, Int8Linear) for module in reloaded.modules())
+    requantized = quantize_dynamic_int8(reloaded)
+    pairs = [(a, b) for a, b in zip(base.modules(), requantized.modules(), strict=True) if isinstance(a, Int8Linear)]
+    assert pairs and all(torch.equal(a.weight_int8, b.weight_int8) for a, b in pairs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Int8StateDictWarning)
+        float_state_dict(base)  # the package's own reads of the float weights stay quiet
 
 
 def test_drafting_without_the_shortlist_uses_the_whole_vocabulary(tiny_models) -> None:

@@ -54,6 +54,7 @@ from hf_blockwise.loading import (
 )
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
 from hf_blockwise.modeling.model import BlockwiseHeadsModel
+from hf_blockwise.modeling.quantization import float_state_dict
 
 DRAFTERS = ("auto", "none", "heads", "feature", "input_copy", "composite")
 OUTPUT_FORMATS = ("text", "jsonl")
@@ -413,7 +414,7 @@ def in_memory_identity(loaded: LoadedModel) -> str:
     weights, whatever the model's recorded name says."""
     digest, seen = hashlib.sha256(), set()
     for module in (loaded.base, loaded.heads_model, loaded.feature_model):
-        for key, value in sorted((module.state_dict() if module is not None else {}).items()):
+        for key, value in sorted((float_state_dict(module) if module is not None else {}).items()):
             storage = (value.data_ptr(), tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else key
             if storage in seen:
                 continue  # a heads or drafter model holds its base: each tensor once

@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForSeq2SeqLM, PreTrainedModel
 from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.nar import NonAutoregressiveDrafter, check_same_vocabulary
 from hf_blockwise.modeling.config import check_block_size
+from hf_blockwise.modeling.quantization import float_state_dict
 from hf_blockwise.serialization import JsonConfigMixin, atomic_write_text, load_adapter_weights, save_adapter
 
 NAR_CONFIG_NAME = "nar_drafter_config.json"
@@ -123,7 +124,7 @@ class NARDrafterModel(nn.Module):
             if depth is not None:
                 setattr(config, name, depth)
         model = AutoModelForSeq2SeqLM.from_config(config)
-        missing, _unused_deeper_layers = model.load_state_dict(base.state_dict(), strict=False)
+        missing, _unused_deeper_layers = model.load_state_dict(float_state_dict(base), strict=False)
         if missing:
             raise ValueError(f"Could not initialise the drafter from the verifier; missing weights {missing[:5]}")
         model.to(device=base.device, dtype=base.dtype).eval()
@@ -183,7 +184,7 @@ class NARDrafterModel(nn.Module):
         base = hf.unwrap_base(verifier)
         check_same_vocabulary(self.model, base)
         weights = hf.resolve_file(name_or_path, CHANGED_WEIGHTS_NAME)
-        load_adapter_weights(weights, self.model, "Drafter", base_weights=base.state_dict())
+        load_adapter_weights(weights, self.model, "Drafter", base_weights=float_state_dict(base))
 
     @classmethod
     def from_pretrained(
@@ -224,7 +225,7 @@ def _recorded_verifier(name_or_path: str | os.PathLike, config: NARDrafterConfig
 
 def _changed_weights(model: nn.Module, verifier: nn.Module) -> dict[str, torch.Tensor]:
     """The tensors of `model` that the verifier does not hold identically (name, shape and values)."""
-    reference = hf.unwrap_base(verifier).state_dict()
+    reference = float_state_dict(hf.unwrap_base(verifier))
     changed = {}
     for name, tensor in model.state_dict().items():
         same = name in reference and reference[name].shape == tensor.shape

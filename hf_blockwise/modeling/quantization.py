@@ -25,6 +25,10 @@ decoding of the quantized model is then exact with respect to the quantized mode
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
@@ -194,6 +198,28 @@ def quantize_linears_int8(module: nn.Module) -> None:
                 setattr(parent, name, Int8Linear(child))
 
 
+class Int8StateDictWarning(UserWarning):
+    """The state dict of an int8 model holds the float weights its int8 copies were made from."""
+
+
+def _warn_float_state_dict(module: nn.Module, state_dict: Mapping[str, Any], prefix: str, metadata: Any) -> None:
+    # a state_dict post-hook on the quantized base: `save_pretrained` (and any checkpoint) takes this path
+    warnings.warn(
+        f"{type(module).__name__} was quantized to int8 by hf_blockwise; its state dict (what `save_pretrained` "
+        "writes) holds the float weights the int8 copies were made from, so it loads back as a float model. Call "
+        "`quantize_dynamic_int8(model)` after loading to get the same int8 model, bit for bit.",
+        Int8StateDictWarning,
+        stacklevel=3,
+    )
+
+
+def float_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """`module.state_dict()` without the int8 save warning: for code that reads the float weights on purpose."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Int8StateDictWarning)
+        return module.state_dict()
+
+
 def quantize_dynamic_int8(model: nn.Module) -> nn.Module:
     """Replaces every `nn.Linear` of the base model by an [`Int8Linear`], in place (CPU only).
 
@@ -203,7 +229,8 @@ def quantize_dynamic_int8(model: nn.Module) -> nn.Module:
             output layer, quantized with the rest.
 
     Returns:
-        The same `model`, for chaining.
+        The same `model`, for chaining. Its state dict, and so `save_pretrained`, holds the float weights the
+        int8 copies are made from (with an [`Int8StateDictWarning`]): quantize again after loading.
     """
 
     hf.check_model_argument("quantize_dynamic_int8(model)", model)
@@ -214,5 +241,7 @@ def quantize_dynamic_int8(model: nn.Module) -> nn.Module:
             f"int8 quantization here targets CPU decoding; the model is on {sorted(devices)}. On a GPU, load the "
             "model in float16 or bfloat16 instead."
         )
+    if not any(isinstance(module, Int8Linear) for module in base.modules()):
+        base.register_state_dict_post_hook(_warn_float_state_dict)
     quantize_linears_int8(base)
     return model
