@@ -62,7 +62,7 @@ def step_weight_bytes(base: nn.Module) -> int:
     for name, module in decoder_modules:
         if name.endswith(("encoder_attn.k_proj", "encoder_attn.v_proj", "EncDecAttention.k", "EncDecAttention.v")):
             continue
-        weight = getattr(module, "weight_int8", None)
+        weight = getattr(module, "weight_int8_t", None)
         if weight is None and isinstance(module, nn.Linear):
             weight = module.weight
         if weight is not None:

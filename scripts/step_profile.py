@@ -33,6 +33,7 @@ def _timed(totals: dict[str, float], name: str, function: Callable[..., Any]) ->
         start = time.perf_counter()
         result = function(*args, **kwargs)
         totals[name] += time.perf_counter() - start
+        totals[f"{name} calls"] += 1
         return result
 
     return run
@@ -66,7 +67,13 @@ def profile_mode(base, tokenizer, drafter: FeatureDrafter, sources: list[str], m
         "generate (fixed)": total - totals["step"],
         "total": total,
     }
-    return {name: 1000 * seconds / len(sources) for name, seconds in phases.items()}
+    per_sentence = {name: 1000 * seconds / len(sources) for name, seconds in phases.items()}
+    # one verification call, one draft (a drafter call proposes a whole chain)
+    per_call = {
+        name: 1000 * totals[name] / totals[f"{name} calls"] if totals[f"{name} calls"] else float("nan")
+        for name in ("verification", "drafting")
+    }
+    return {**per_sentence, **{f"{name} per call": value for name, value in per_call.items()}}
 
 
 def main() -> None:
@@ -77,21 +84,31 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=None, help="the feature drafter's k (default: its config's)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--int8", action="store_true", help="the int8 model (base and drafter quantized)")
+    precision = parser.add_mutually_exclusive_group()
+    precision.add_argument("--int8", action="store_true", help="the int8 model (base and drafter quantized)")
+    precision.add_argument(
+        "--int8-drafter", action="store_true", help="the float32 base with its feature drafter's layer in int8"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, int8=args.int8)
+    if args.int8_drafter:
+        loaded = loaded.int8_drafter_copy()
     if loaded.feature_model is None:
         raise SystemExit(f"{args.model} ships no feature-drafter/ folder")
     base, tokenizer = loaded.base, loaded.tokenizer
     drafter = loaded.feature_model.drafter(block_size=args.block_size)
     sources = read_lines(args.source_file)[: args.sentences]
+    weights = "int8" if args.int8 else "float32 base, int8 drafter" if args.int8_drafter else "float32"
     print(
-        f"ms per sentence, {len(sources)} sentences, batch 1, {args.threads} threads, k = {drafter.block_size}, "
-        f"{'int8' if args.int8 else 'float32'}"
+        f"ms per sentence, {len(sources)} sentences, batch 1, {args.threads} threads, "
+        f"k = {drafter.block_size}, {weights}"
     )
-    print("| mode | verification | drafting | bookkeeping | generate (fixed) | total |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| mode | verification | drafting | bookkeeping | generate (fixed) | total "
+        "| one verification call | one draft |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for mode in args.modes:
         phases = profile_mode(base, tokenizer, drafter, sources, mode)
         print(f"| {mode} | " + " | ".join(f"{value:.1f}" for value in phases.values()) + " |")

@@ -71,7 +71,8 @@ def test_demo_runs_offline_on_a_saved_directory(tmp_path, capsys) -> None:
     arguments = ["demo", "--model", str(tmp_path), "--repeats", "1", "--max-new-tokens", "20", "--int8", "w5 w6 w7"]
     assert main(arguments) == 0
     printed = capsys.readouterr().out
-    assert "int8" in printed and printed.count("[identical: True]") == 1
+    assert "int8, compiled engine" in printed and "the compiled engine's int8 greedy" in printed
+    assert printed.count("[identical: True]") == 1
     with pytest.raises(SystemExit, match="ships no feature-drafter"):
         main(["demo", "--model", str(tmp_path), "--drafter", "feature"])
     # a shipped feature drafter is the demo's default drafter

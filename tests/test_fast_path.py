@@ -5,10 +5,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import types
 import warnings
 
 import pytest
 import torch
+import torch._inductor.config
 from conftest import ARCHITECTURES, OracleDrafter, build_model, random_batch, word_tokenizer
 
 from hf_blockwise import (
@@ -22,6 +24,7 @@ from hf_blockwise import (
     quantize_dynamic_int8,
 )
 from hf_blockwise.drafters.base import DraftRequest
+from hf_blockwise.engine import own_code
 from hf_blockwise.loading import LoadedModel
 from hf_blockwise.modeling.config import FeatureDrafterConfig
 from hf_blockwise.modeling.quantization import Int8Linear, Int8StateDictWarning, float_state_dict
@@ -94,7 +97,7 @@ def test_saving_an_int8_model_says_it_writes_the_float_weights_and_requantizing_
     assert not any(isinstance(module, Int8Linear) for module in reloaded.modules())
     requantized = quantize_dynamic_int8(reloaded)
     pairs = [(a, b) for a, b in zip(base.modules(), requantized.modules(), strict=True) if isinstance(a, Int8Linear)]
-    assert pairs and all(torch.equal(a.weight_int8, b.weight_int8) for a, b in pairs)
+    assert pairs and all(torch.equal(a.weight_int8_t, b.weight_int8_t) for a, b in pairs)
     with warnings.catch_warnings():
         warnings.simplefilter("error", Int8StateDictWarning)
         float_state_dict(base)  # the package's own reads of the float weights stay quiet
@@ -173,13 +176,17 @@ def test_bench_fast_path_reports_each_step(tmp_path) -> None:
     assert all(row["identical_rate"] == 1.0 for row in rows.values()), rows
 
 
-def test_int8_products_are_one_operator_that_compiles_to_the_same_numbers() -> None:
-    """The int8 product is an opaque custom operator: the compiled graph computes exactly what eager does in it."""
+@pytest.mark.parametrize("freezing", [False, True])
+def test_int8_products_compile_to_the_same_numbers(freezing: bool) -> None:
+    """The compiled int8 product computes exactly what eager does, with and without inductor's `freezing` (which
+    rewrites `_int_mm` followed by two products as torchao's int8 linear, and computed garbage for ours)."""
     layer = Int8Linear(torch.nn.Linear(32, 24)).requires_grad_(False)
-    compiled = torch.compile(layer, dynamic=True)
-    for rows in (3, 5):
-        inputs = torch.randn(rows, 32) * torch.logspace(-2, 2, rows)[:, None]
-        assert torch.equal(compiled(inputs), layer(inputs))
+    layer.forward = types.MethodType(own_code(Int8Linear.forward), layer)  # graphs of its own, for this `freezing`
+    with torch._inductor.config.patch(freezing=freezing), torch.no_grad():
+        compiled = torch.compile(layer, dynamic=True)
+        for rows in (3, 5):
+            inputs = torch.randn(rows, 32) * torch.logspace(-2, 2, rows)[:, None]
+            assert torch.equal(compiled(inputs), layer(inputs))
 
 
 def test_int8_compiled_engine_is_exact_to_its_own_greedy() -> None:
