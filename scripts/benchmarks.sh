@@ -30,9 +30,18 @@ for set in europarl multi30k; do
         --threads 2 --modes greedy greedy_compiled greedy_int8_compiled feature_compiled feature_int8_compiled \
         heads_int8_compiled ct2 ct2_int8 --out docs/bench/marian-base-$set-int8-b1
 done
-set_files europarl
-hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 96 --batch-sizes 16 --threads 2 \
-    --modes greedy greedy_int8_compiled feature_int8_compiled --out docs/bench/marian-base-europarl-int8-b16
+for set in europarl multi30k; do
+    set_files $set
+    hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 96 --batch-sizes 16 \
+        --threads 2 --modes greedy greedy_compiled greedy_int8_compiled feature_int8_compiled ct2 ct2_int8 \
+        --out docs/bench/marian-base-$set-int8-b16
+done
+# one verification call against one draft (int8 model; float32 base with the int8 drafter)
+set_files multi30k
+python scripts/step_profile.py --model $base --source-file $src --sentences 50 --threads 2 --int8 \
+    --modes greedy_compiled feature_compiled > docs/bench/marian-base-step-profile-int8.md
+python scripts/step_profile.py --model $base --source-file $src --sentences 50 --threads 2 --int8-drafter \
+    --modes feature_compiled > docs/bench/marian-base-step-profile-int8-drafter.md
 python scripts/stale_weights_check.py --threads 2
 # an int8 feature drafter over the float32 model (a separate run, batch 1)
 for set in multi30k europarl; do
