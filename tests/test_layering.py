@@ -38,6 +38,18 @@ def test_importing_the_library_loads_no_corpus_dependency_until_the_corpus_job_i
         hf_blockwise.nope  # noqa: B018
 
 
+def test_importing_the_library_imports_nothing_until_a_name_is_used() -> None:
+    """`import hf_blockwise` loads no submodule, torch or transformers; each public name loads its own module on
+    first use, and `__all__` lists exactly the names served."""
+    loaded = "sorted(m for m in sys.modules if m.startswith(('hf_blockwise.', 'torch', 'transformers')))"
+    probe = f"import hf_blockwise, sys; print({loaded})"
+    printed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert printed.strip() == "[]"
+    assert sorted(hf_blockwise.__all__) == sorted(hf_blockwise._SOURCES)
+    for name in hf_blockwise.__all__:
+        assert getattr(hf_blockwise, name).__name__ == name
+
+
 def test_the_public_api_comes_from_the_library() -> None:
     for name in hf_blockwise.__all__:
         module = getattr(getattr(hf_blockwise, name), "__module__", "")
