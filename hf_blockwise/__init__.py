@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _SOURCES = {
     "AcceptanceRule": "hf_blockwise.generation.acceptance",
-    "BlockwiseConfig": "hf_blockwise.modeling.config",
+    "BlockwiseHeadsConfig": "hf_blockwise.modeling.config",
     "BlockwiseHeads": "hf_blockwise.modeling.heads",
     "BlockwiseHeadsModel": "hf_blockwise.modeling.model",
     "BlockwiseHeadsOutput": "hf_blockwise.modeling.model",
@@ -79,7 +79,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from hf_blockwise.generation.diagnostics import Divergence, first_divergence
     from hf_blockwise.generation.loop import blockwise_generate
     from hf_blockwise.generation.state import DecodingStats
-    from hf_blockwise.modeling.config import BlockwiseConfig, FeatureDrafterConfig
+    from hf_blockwise.modeling.config import BlockwiseHeadsConfig, FeatureDrafterConfig
     from hf_blockwise.modeling.feature_model import FeatureDrafterModel
     from hf_blockwise.modeling.heads import BlockwiseHeads, SequentialHeads
     from hf_blockwise.modeling.model import BlockwiseHeadsModel, BlockwiseHeadsOutput
@@ -88,11 +88,17 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from hf_blockwise.modeling.shortlist import frequent_tokens
 
 
+# names before 0.2, kept for one release (their modules warn when they are used)
+_RENAMED = {"BlockwiseConfig": "hf_blockwise.modeling.config"}
+
+
 def __getattr__(name: str) -> Any:
-    if name not in _SOURCES:
+    source = _SOURCES.get(name) or _RENAMED.get(name)
+    if source is None:
         raise AttributeError(f"module 'hf_blockwise' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_SOURCES[name]), name)
-    globals()[name] = value  # later lookups skip this function
+    value = getattr(importlib.import_module(source), name)
+    if name in _SOURCES:
+        globals()[name] = value  # later lookups skip this function
     return value
 
 
@@ -103,8 +109,8 @@ def __dir__() -> list[str]:
 # the same names as `_SOURCES` (tests/test_layering.py checks it), spelled out for linters and readers
 __all__ = [
     "AcceptanceRule",
-    "BlockwiseConfig",
     "BlockwiseHeads",
+    "BlockwiseHeadsConfig",
     "BlockwiseHeadsModel",
     "BlockwiseHeadsOutput",
     "Comparison",

@@ -35,7 +35,13 @@ NAR_DRAFTER_SUBDIR = "nar-drafter"
 FEATURE_DRAFTER_SUBDIR = "feature-drafter"
 SEQUENTIAL_HEADS_SUBDIR = "sequential-heads"
 # the drafters [`build_drafter`] makes: `none` drafts nothing (the loop alone, one token per decoder call)
-DRAFTER_NAMES = ("none", "heads", "seq_heads", "feature", "input_copy", "composite", "nar")
+# the models shipped inside the package: the small Multi30k model (7.7M parameters: a quick try, notebooks), the
+# realistic one (43M, opus-mt-en-de's decoder shape), which the demo and the bench run by default, and the speech one
+PRETRAINED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pretrained")
+SHIPPED_MODEL = os.path.join(PRETRAINED, "multi30k-en-de")
+REALISTIC_MODEL = os.path.join(PRETRAINED, "marian-base-en-de")
+SHIPPED_SPEECH_MODEL = os.path.join(PRETRAINED, "speech-en")
+
 SOURCE_COPY_NEEDS = "different source and target vocabularies (source copy needs one)"
 
 
@@ -208,18 +214,7 @@ def missing_drafter(name: str, loaded: LoadedModel) -> str | None:
     """Why `loaded` cannot make the drafter `name` (one of `DRAFTER_NAMES`), or `None` when it can."""
     if name not in DRAFTER_NAMES:
         raise ValueError(f"unknown drafter {name!r}; choose one of {DRAFTER_NAMES}")
-    needs_copy = name in ("input_copy", "composite")
-    if name == "heads" and loaded.heads_model is None:
-        return "no proposal heads (blockwise_config.json)"
-    if name == "seq_heads" and loaded.sequential_heads_model is None:
-        return f"no sequential heads ({SEQUENTIAL_HEADS_SUBDIR}/ folder)"
-    if name in ("feature", "composite") and loaded.feature_model is None:
-        return f"no feature drafter ({FEATURE_DRAFTER_SUBDIR}/ folder)"
-    if name == "nar" and loaded.nar_model is None:
-        return f"no NAR drafter ({NAR_DRAFTER_SUBDIR}/ folder)"
-    if needs_copy and not shares_vocabulary(loaded.base):
-        return SOURCE_COPY_NEEDS
-    return None
+    return None if name == "none" else DRAFTERS[name].lacks(loaded)
 
 
 @dataclass(frozen=True)
@@ -251,14 +246,71 @@ def _feature(loaded: LoadedModel, options: DrafterOptions) -> Drafter:
     return loaded.feature_model.drafter(block_size=options.block_size, threshold=options.threshold)
 
 
-_BUILDERS: dict[str, Callable[[LoadedModel, DrafterOptions], Drafter]] = {
-    "heads": lambda loaded, options: loaded.heads_model.drafter(options.block_size, options.use_shortlist),
-    "seq_heads": lambda loaded, options: loaded.sequential_heads_model.drafter(options.block_size),
-    "feature": _feature,
-    "input_copy": _input_copy,
-    "composite": lambda loaded, options: CompositeDrafter(_input_copy(loaded, options), _feature(loaded, options)),
-    "nar": lambda loaded, options: loaded.nar_model.drafter(block_size=options.block_size, verifier=loaded.base),
-}
+def _nar(loaded: LoadedModel, options: DrafterOptions) -> Drafter:
+    return loaded.nar_model.drafter(block_size=options.block_size, verifier=loaded.base)
+
+
+def _lacks_source_copy(loaded: LoadedModel) -> str | None:
+    return None if shares_vocabulary(loaded.base) else SOURCE_COPY_NEEDS
+
+
+def _lacks_feature(loaded: LoadedModel) -> str | None:
+    return f"no feature drafter ({FEATURE_DRAFTER_SUBDIR}/ folder)" if loaded.feature_model is None else None
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """A drafter by its one name, which every entry point uses: [`build_drafter`], `hf-blockwise generate
+    --drafter` (and `generate_corpus`), the demo's `--drafter` and the bench's modes.
+
+    Attributes:
+        name (`str`): the name.
+        build (`Callable[[LoadedModel, DrafterOptions], Drafter]`): makes it over a loaded model.
+        lacks (`Callable[[LoadedModel], str | None]`): what a loaded model lacks to make it, in words, or `None`.
+        bench_families (`tuple[str, ...]`): the bench's mode families that draft with it (named after the papers'
+            methods where the name says more: `iad` and `gad` draft with `input_copy` and `nar`).
+        corpus (`bool`): offered by the corpus job (`generate --drafter`, besides `auto` and `none`).
+        demo (`bool`): offered by the demo (`--drafter`, besides `best`).
+    """
+
+    name: str
+    build: Callable[[LoadedModel, DrafterOptions], Drafter]
+    lacks: Callable[[LoadedModel], str | None]
+    bench_families: tuple[str, ...]
+    corpus: bool = True
+    demo: bool = False
+
+
+DRAFTERS: dict[str, DrafterKind] = {
+    kind.name: kind
+    for kind in (
+        DrafterKind(
+            "heads", lambda loaded, options: loaded.heads_model.drafter(options.block_size, options.use_shortlist),
+            lambda loaded: "no proposal heads (blockwise_config.json)" if loaded.heads_model is None else None,
+            ("heads", "heads_full_vocab", "heads_top2"), demo=True,
+        ),
+        DrafterKind(
+            "seq_heads", lambda loaded, options: loaded.sequential_heads_model.drafter(options.block_size),
+            lambda loaded: None if loaded.sequential_heads_model is not None
+            else f"no sequential heads ({SEQUENTIAL_HEADS_SUBDIR}/ folder)",
+            ("seq_heads",), corpus=False,
+        ),
+        DrafterKind("feature", _feature, _lacks_feature, ("feature", "feature_int8d"), demo=True),
+        DrafterKind("input_copy", _input_copy, _lacks_source_copy, ("iad", "iad_realign")),
+        DrafterKind(
+            "composite",
+            lambda loaded, options: CompositeDrafter(_input_copy(loaded, options), _feature(loaded, options)),
+            lambda loaded: _lacks_feature(loaded) or _lacks_source_copy(loaded), ("composite",),
+        ),
+        DrafterKind(
+            "nar", _nar,
+            lambda loaded: f"no NAR drafter ({NAR_DRAFTER_SUBDIR}/ folder)" if loaded.nar_model is None else None,
+            ("gad", "gad_pp"), corpus=False,
+        ),
+    )
+}  # fmt: skip
+# every name `build_drafter` takes: `"none"` decodes without a drafter (the loop alone)
+DRAFTER_NAMES = ("none", *DRAFTERS)
 
 
 def build_drafter(name: str, loaded: LoadedModel, options: DrafterOptions | None = None) -> Drafter | None:
@@ -272,7 +324,7 @@ def build_drafter(name: str, loaded: LoadedModel, options: DrafterOptions | None
         raise ValueError(f"drafter {name!r}: the model has {missing}")
     if name == "none":
         return None
-    return _BUILDERS[name](loaded, options or DrafterOptions())
+    return DRAFTERS[name].build(loaded, options or DrafterOptions())
 
 
 # transformers' length when neither the call nor the checkpoint's generation_config gives one

@@ -12,7 +12,6 @@ against transformers' greedy in the same run).
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import time
@@ -24,8 +23,9 @@ import torch
 
 from hf_blockwise.loading import load_model
 from hf_blockwise.serialization import atomic_write_text
-from hf_blockwise.tools.arguments import parse_dataclass_args
+from hf_blockwise.text_files import read_lines
 from hf_blockwise.tools.bench import BenchSetup, run_bench
+from hf_blockwise.training.arguments import parse_dataclass_args
 
 DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -41,10 +41,29 @@ class AcceptanceTableArguments:
     out: str = field(default="docs/acceptance_table.md")
 
 
-def read_sources(path: str, count: int) -> list[str]:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as handle:
-        return [line.strip() for line, _ in zip(handle, range(count), strict=False)]
+ROW_NAMES = {
+    "oracle": "oracle (ceiling)",
+    "heads": "Stern heads",
+    "seq_heads": "sequential heads",
+    "feature": "feature drafter",
+}
+
+
+def table_lines(rows: dict[str, list[int]], by_mode: dict, block_sizes: Sequence[int]) -> list[str]:
+    """The markdown table: one row per drafter, one column per k; each cell the mean accepted tokens per call and
+    the speedup (and the identical count where not every output is identical)."""
+    lines = ["| drafter | " + " | ".join(f"k={k}" for k in block_sizes) + " |", "|---|" + "---|" * len(block_sizes)]
+    for row, sizes in rows.items():
+        cells = []
+        for k in block_sizes:
+            result = by_mode.get(f"oracle_k{k}" if row == "oracle" else f"{row}_k{k}")
+            if k not in sizes or result is None:
+                cells.append("")
+            else:
+                identical = "" if result.identical == result.compared else f" ({result.identical} identical)"
+                cells.append(f"{result.mean_accepted:.2f} ({result.speedup:.2f}x){identical}")
+        lines.append(f"| {ROW_NAMES[row]} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -63,26 +82,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     modes += ["oracle"]
     setup = BenchSetup(loaded, args.max_new_tokens, oracle_block_sizes=tuple(rows["oracle"]))
     started = time.time()
-    results = run_bench(setup, read_sources(args.sources, args.sentences), None, modes, [1])
+    results = run_bench(setup, read_lines(args.sources)[: args.sentences], None, modes, [1])
     by_mode = {result.mode: result for result in results}
-    header = "| drafter | " + " | ".join(f"k={k}" for k in args.block_sizes) + " |"
-    lines = [header, "|---|" + "---|" * len(args.block_sizes)]
-    names = {
-        "oracle": "oracle (ceiling)",
-        "heads": "Stern heads",
-        "seq_heads": "sequential heads",
-        "feature": "feature drafter",
-    }
-    for row, sizes in rows.items():
-        cells = []
-        for k in args.block_sizes:
-            result = by_mode.get(f"oracle_k{k}" if row == "oracle" else f"{row}_k{k}")
-            if k not in sizes or result is None:
-                cells.append("")
-            else:
-                identical = "" if result.identical == result.compared else f" ({result.identical} identical)"
-                cells.append(f"{result.mean_accepted:.2f} ({result.speedup:.2f}x){identical}")
-        lines.append(f"| {names[row]} | " + " | ".join(cells) + " |")
+    lines = table_lines(rows, by_mode, args.block_sizes)
     text = f"""# Accepted tokens per decoder call at k = 2..10 (Stern et al., Table 1 shape)
 
 Each cell: mean accepted tokens per decoder call (the base's own token included), and in brackets the wall-clock

@@ -26,7 +26,7 @@ from transformers.utils import logging as transformers_logging
 from hf_blockwise.corpus.job import CorpusOptions, make_job, run_job
 from hf_blockwise.loading import load_model
 from hf_blockwise.serialization import atomic_write_text
-from hf_blockwise.tools.bench import read_lines
+from hf_blockwise.text_files import read_lines
 
 
 def naive_loop(setup, texts: list[str], batch_size: int, max_new_tokens: int) -> list[str]:
@@ -49,7 +49,7 @@ def corpus_job(setup, model: str, texts: list[str], options: CorpusOptions, fold
     return seconds, output.read_text(encoding="utf-8").splitlines(), report
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--input", required=True, help="one source per line")
@@ -61,54 +61,52 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="verify through the compiled engine")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    transformers_logging.set_verbosity_error()
-    texts = read_lines(args.input)[: args.lines]
-    setup = load_model(args.model)
+    return parser.parse_args()
+
+
+def measure_rows(args: argparse.Namespace, setup, texts: list[str], folder: Path) -> list[dict]:
+    """One row per configuration: the naive loop at each batch size, then each drafter's corpus job beside it."""
     count = lambda lines: sum(len(setup.tokenizer(line, add_special_tokens=False).input_ids) for line in lines)  # noqa: E731
     generate_kwargs = {"max_new_tokens": args.max_new_tokens}
-    rows, folder = [], Path(tempfile.mkdtemp(prefix="corpus-bench-"))
-    try:
-        if args.compile:  # compile the engine (batch classes 1 and > 1) and the drafters' blocks before timing
-            for drafter in args.drafters:
-                for batch_size in (1, 4):
-                    options = CorpusOptions(drafter, batch_size, generate_kwargs=generate_kwargs, compile=True)
-                    corpus_job(setup, args.model, texts[:8], options, folder)
-        runs = [(batch_size, None) for batch_size in args.batch_sizes]
-        if args.max_batch_tokens:
-            runs.append((max(args.batch_sizes), args.max_batch_tokens))
-        naive: dict[int, tuple[float, list[str]]] = {}
-        for batch_size, budget in runs:
-            if batch_size not in naive:
-                started = time.perf_counter()
-                lines = naive_loop(setup, texts, batch_size, args.max_new_tokens)
-                naive[batch_size] = (time.perf_counter() - started, lines)
-                tokens = count(lines)
-                rows.append({
-                    "configuration": "naive greedy generate, unsorted", "batch": batch_size, "budget": None,
-                    "seconds": naive[batch_size][0], "sentences_per_s": len(texts) / naive[batch_size][0],
-                    "tokens_per_s": tokens / naive[batch_size][0], "ratio": 1.0, "tokens_per_call": 1.0,
-                    "identical": len(texts),
-                })  # fmt: skip
-                print(rows[-1], flush=True)
-            base_seconds, base_lines = naive[batch_size]
-            for drafter in args.drafters:
-                options = CorpusOptions(
-                    drafter, batch_size, budget, generate_kwargs=generate_kwargs, compile=args.compile
-                )
-                seconds, lines, report = corpus_job(setup, args.model, texts, options, folder)
-                rows.append({
-                    "configuration": f"generate --drafter {drafter} ({report.drafter}), sorted"
-                    + (", compiled" if args.compile else ""),
-                    "batch": batch_size, "budget": budget, "seconds": seconds,
-                    "sentences_per_s": len(texts) / seconds, "tokens_per_s": count(lines) / seconds,
-                    "ratio": base_seconds / seconds, "tokens_per_call": report.tokens_per_call,
-                    "identical": sum(a == b for a, b in zip(lines, base_lines, strict=True)),
-                })  # fmt: skip
-                print(rows[-1], flush=True)
-    finally:
-        shutil.rmtree(folder)
+    if args.compile:  # compile the engine (batch classes 1 and > 1) and the drafters' blocks before timing
+        for drafter in args.drafters:
+            for batch_size in (1, 4):
+                options = CorpusOptions(drafter, batch_size, generate_kwargs=generate_kwargs, compile=True)
+                corpus_job(setup, args.model, texts[:8], options, folder)
+    runs = [(batch_size, None) for batch_size in args.batch_sizes]
+    if args.max_batch_tokens:
+        runs.append((max(args.batch_sizes), args.max_batch_tokens))
+    rows, naive = [], {}
+    for batch_size, budget in runs:
+        if batch_size not in naive:
+            started = time.perf_counter()
+            lines = naive_loop(setup, texts, batch_size, args.max_new_tokens)
+            naive[batch_size] = (time.perf_counter() - started, lines)
+            rows.append({
+                "configuration": "naive greedy generate, unsorted", "batch": batch_size, "budget": None,
+                "seconds": naive[batch_size][0], "sentences_per_s": len(texts) / naive[batch_size][0],
+                "tokens_per_s": count(lines) / naive[batch_size][0], "ratio": 1.0, "tokens_per_call": 1.0,
+                "identical": len(texts),
+            })  # fmt: skip
+            print(rows[-1], flush=True)
+        base_seconds, base_lines = naive[batch_size]
+        for drafter in args.drafters:
+            options = CorpusOptions(drafter, batch_size, budget, generate_kwargs=generate_kwargs, compile=args.compile)
+            seconds, lines, report = corpus_job(setup, args.model, texts, options, folder)
+            rows.append({
+                "configuration": f"generate --drafter {drafter} ({report.drafter}), sorted"
+                + (", compiled" if args.compile else ""),
+                "batch": batch_size, "budget": budget, "seconds": seconds,
+                "sentences_per_s": len(texts) / seconds, "tokens_per_s": count(lines) / seconds,
+                "ratio": base_seconds / seconds, "tokens_per_call": report.tokens_per_call,
+                "identical": sum(a == b for a, b in zip(lines, base_lines, strict=True)),
+            })  # fmt: skip
+            print(rows[-1], flush=True)
+    return rows
+
+
+def write_reports(args: argparse.Namespace, texts: list[str], rows: list[dict]) -> None:
+    """`corpus.json` and the markdown table `corpus.md` in `--out`."""
     out = Path(args.out)
     settings = {
         "model": args.model, "input": args.input, "lines": len(texts), "max_new_tokens": args.max_new_tokens,
@@ -132,6 +130,20 @@ def main() -> None:
         )
     atomic_write_text(out / "corpus.md", "\n".join(table) + "\n")
     print("\n".join(table))
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    transformers_logging.set_verbosity_error()
+    texts = read_lines(args.input)[: args.lines]
+    setup = load_model(args.model)
+    folder = Path(tempfile.mkdtemp(prefix="corpus-bench-"))
+    try:
+        rows = measure_rows(args, setup, texts, folder)
+    finally:
+        shutil.rmtree(folder)
+    write_reports(args, texts, rows)
 
 
 if __name__ == "__main__":

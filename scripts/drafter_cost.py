@@ -9,7 +9,6 @@ minus drafting time) is what the same decode would reach with free drafts.
 
 from __future__ import annotations
 
-import gzip
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,7 +20,8 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from hf_blockwise import FeatureDrafterModel, blockwise_generate
-from hf_blockwise.tools.arguments import parse_dataclass_args
+from hf_blockwise.text_files import read_lines
+from hf_blockwise.training.arguments import parse_dataclass_args
 
 DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -61,8 +61,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     base = AutoModelForSeq2SeqLM.from_pretrained(args.model).eval()
     feature = FeatureDrafterModel.from_pretrained(f"{args.model}/feature-drafter", base_model=base).eval()
-    with gzip.open(args.sources, "rt", encoding="utf-8") as handle:
-        sources = [line.strip() for line, _ in zip(handle, range(args.sentences), strict=False)]
+    sources = read_lines(args.sources)[: args.sentences]
     batches = [tokenizer([source], return_tensors="pt") for source in sources]
     for setting in args.settings:
         k, _, threshold = setting.partition(":")

@@ -23,7 +23,7 @@ from transformers.utils import logging
 from hf_blockwise import blockwise_generate
 from hf_blockwise.modeling.config import FeatureDrafterConfig
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
-from hf_blockwise.tools.bench import read_lines
+from hf_blockwise.text_files import read_lines
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from drafter_cost import time_drafting

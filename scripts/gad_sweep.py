@@ -25,8 +25,9 @@ from transformers.utils import logging as transformers_logging
 from hf_blockwise.evaluation import ModeResult
 from hf_blockwise.loading import load_model
 from hf_blockwise.serialization import atomic_write, atomic_write_text
-from hf_blockwise.tools.arguments import parse_dataclass_args
-from hf_blockwise.tools.bench import BenchSetup, read_lines, run_bench
+from hf_blockwise.text_files import read_lines
+from hf_blockwise.tools.bench import BenchSetup, run_bench
+from hf_blockwise.training.arguments import parse_dataclass_args
 
 
 @dataclass

@@ -8,7 +8,6 @@ decoder step) against a full greedy decode, per sentence, on the shipped Multi30
 
 from __future__ import annotations
 
-import gzip
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -17,8 +16,9 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
-from hf_blockwise.tools.arguments import parse_dataclass_args
-from hf_blockwise.tools.cli import SHIPPED_MODEL
+from hf_blockwise.loading import SHIPPED_MODEL
+from hf_blockwise.text_files import read_lines
+from hf_blockwise.training.arguments import parse_dataclass_args
 
 
 @dataclass
@@ -37,9 +37,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForSeq2SeqLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    opener = gzip.open if args.source_file.endswith(".gz") else open
-    with opener(args.source_file, "rt") as lines:
-        sources = [line.strip() for line, _ in zip(lines, range(args.sentences), strict=False)]
+    sources = read_lines(args.source_file)[: args.sentences]
     one_token, full, lengths = [], [], []
     for source in sources:
         batch = tokenizer([source], return_tensors="pt")

@@ -14,23 +14,23 @@ from __future__ import annotations
 
 import copy
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 from transformers.utils import logging
 
-from hf_blockwise import boundary as hf
 from hf_blockwise import quantize_dynamic_int8
-from hf_blockwise.engine import CompileOptions, compiled_decoder
-from hf_blockwise.loading import load_model
-from hf_blockwise.tools.arguments import parse_dataclass_args
+from hf_blockwise.loading import REALISTIC_MODEL, load_model
 from hf_blockwise.tools.bench.cost_curve import decoder_cost_curve
-from hf_blockwise.tools.cli import REALISTIC_MODEL
+from hf_blockwise.training.arguments import parse_dataclass_args
 
-SENTENCE = "A man in a blue shirt is standing on a ladder cleaning windows."
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from script_common import SENTENCE, compiled_call
 
 
 @dataclass
@@ -70,23 +70,15 @@ def step_weight_bytes(base: nn.Module) -> int:
     return total
 
 
-@torch.no_grad()
 def profile_compiled_call(model: nn.Module, tokenizer, calls: int = 20, width: int = 3) -> str:
     """`torch.profiler`'s table (ops by self time) over `calls` compiled decoder calls of `width` tokens, batch 1,
     each after the cache is cropped back as the loop does."""
-    engine = compiled_decoder(model, CompileOptions())
-    inputs = tokenizer([SENTENCE], return_tensors="pt")
-    forward_kwargs = {"encoder_outputs": model.get_encoder()(**inputs), "attention_mask": inputs["attention_mask"]}
-    cache = engine.new_cache(64)
-    engine.forward(torch.full((1, 1), model.config.decoder_start_token_id), cache, forward_kwargs, cache_length=0)
-    fed = torch.full((1, width), model.config.eos_token_id)
+    call = compiled_call(model, tokenizer, width)
     for _ in range(3):  # warm: compiled, and the graphs' first runs done
-        engine.forward(fed, cache, forward_kwargs, cache_length=1)
-        hf.crop_cache(cache, 1)
+        call()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         for _ in range(calls):
-            engine.forward(fed, cache, forward_kwargs, cache_length=1)
-            hf.crop_cache(cache, 1)
+            call()
     return profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
 
 

@@ -19,10 +19,9 @@ import torch
 from transformers.utils import logging
 
 from hf_blockwise import blockwise_generate, first_divergence
-from hf_blockwise.loading import build_drafter, load_model
-from hf_blockwise.tools.arguments import parse_dataclass_args
-from hf_blockwise.tools.bench import read_lines
-from hf_blockwise.tools.cli import SHIPPED_MODEL
+from hf_blockwise.loading import SHIPPED_MODEL, build_drafter, load_model
+from hf_blockwise.text_files import read_lines
+from hf_blockwise.training.arguments import parse_dataclass_args
 
 
 @dataclass

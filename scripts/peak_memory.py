@@ -22,7 +22,8 @@ _CHILD = """
 import resource, sys, torch
 from transformers.utils import logging
 from hf_blockwise.loading import load_model
-from hf_blockwise.tools.bench import BenchSetup, read_lines, run_bench
+from hf_blockwise.text_files import read_lines
+from hf_blockwise.tools.bench import BenchSetup, run_bench
 logging.set_verbosity_error()
 model, source_file, mode, sentences, threads = sys.argv[1:6]
 torch.set_num_threads(int(threads))

@@ -194,11 +194,23 @@ def short(cell: str) -> str:
 def probe(name: str) -> tuple[dict[str, str], list[str]]:
     model = build(name)
     notes: list[str] = []
-    row: dict[str, str] = {}
     one = Decoder(model, source_batch(model, 1, seed=1))
     three = Decoder(model, source_batch(model, 3, seed=2))
     tokens1 = decoder_tokens(model, 1, NUM_FED, seed=3)
     tokens3 = decoder_tokens(model, 3, NUM_FED, seed=4)
+    row = {**forward_checks(model, one, three, tokens1, tokens3, notes), **crop_checks(model, three)}
+    # (d) the output projection.
+    row["projection"], row["post_proj"] = projection_check(model, three, tokens3, notes)
+    row.update(quirk_rows(model, three, tokens3))
+    notes.extend(other_quirks(model, three, tokens3))
+    return row, notes
+
+
+def forward_checks(
+    model, one: Decoder, three: Decoder, tokens1: torch.Tensor, tokens3: torch.Tensor, notes: list[str]
+) -> dict[str, str]:
+    """(a) multi-token against one-token forwards, cached against uncached, and (b) a pad among the fed tokens."""
+    row: dict[str, str] = {}
 
     # (a) one token at a time vs the start token then 5 in one forward; and all 6 in one forward (prefill).
     def multi_vs_single(decoder: Decoder, tokens: torch.Tensor, chunks: list[int]) -> str:
@@ -243,6 +255,13 @@ def probe(name: str) -> tuple[dict[str, str], list[str]]:
     if row["pad_b3"].split()[-1] != "ok" and row["mvs_b3"].split()[-1] == "ok":
         notes.append("multi-token forwards differ from single-token ones ONLY when a pad token is fed")
 
+    return row
+
+
+def crop_checks(model, three: Decoder) -> dict[str, str]:
+    """(c) cropping the cache and re-feeding, with every kind of cache, against generate's own."""
+    row: dict[str, str] = {}
+
     # (c) crop(-2) after 6 tokens, re-feeding the last 2; reference: 4 single forwards then 2 in one forward.
     def crop_check(make_cache: Callable[[], EncoderDecoderCache], count: int, remove: int) -> str:
         tokens = decoder_tokens(model, 3, count, seed=5)
@@ -269,9 +288,12 @@ def probe(name: str) -> tuple[dict[str, str], list[str]]:
 
     row["plain=gen"] = attempt(plain_vs_generate)
 
-    # (d) the output projection.
-    row["projection"], row["post_proj"] = projection_check(model, three, tokens3, notes)
+    return row
 
+
+def quirk_rows(model, three: Decoder, tokens3: torch.Tensor) -> dict[str, str]:
+    """(f) the cache's layer types, cache-class support, the decoder config class and generation defaults."""
+    row: dict[str, str] = {}
     # (f) other quirks.
     cache = generate_cache(model)
     three.feed(tokens3, cache, [1, 1])
@@ -282,8 +304,7 @@ def probe(name: str) -> tuple[dict[str, str], list[str]]:
     defaults = model.generation_config.to_diff_dict()
     changed = {key: defaults[key] for key in GENERATION_DEFAULTS if key in defaults}
     row["gen_defaults"] = ",".join(f"{key}={value}" for key, value in changed.items()) or "-"
-    notes.extend(other_quirks(model, three, tokens3))
-    return row, notes
+    return row
 
 
 @contextmanager

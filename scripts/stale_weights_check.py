@@ -4,25 +4,28 @@
 
 Loads the shipped `marian-base-en-de`, compiles its engine, and times (medians) the check each compiled `generate`
 call makes ([`WeightsSnapshot.matches`]) beside one compiled decoder call of one token and one compiled greedy
-`generate` call of the demo's first caption, batch 1.
+`generate` call of a caption, batch 1.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers.utils import logging
 
 from hf_blockwise import blockwise_generate
-from hf_blockwise import boundary as hf
-from hf_blockwise.engine import CompileOptions, WeightsSnapshot, compiled_decoder
-from hf_blockwise.loading import load_model
-from hf_blockwise.tools.arguments import parse_dataclass_args
-from hf_blockwise.tools.cli import DEMO_SENTENCES, REALISTIC_MODEL
+from hf_blockwise.engine import WeightsSnapshot
+from hf_blockwise.loading import REALISTIC_MODEL, load_model
+from hf_blockwise.training.arguments import parse_dataclass_args
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from script_common import SENTENCE, compiled_call
 
 
 @dataclass
@@ -49,22 +52,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
     base, tokenizer = loaded.base, loaded.tokenizer
-    engine = compiled_decoder(base, CompileOptions())
-    source = torch.full((1, 12), base.config.eos_token_id)
-    with torch.no_grad():
-        forward_kwargs = {"encoder_outputs": base.get_encoder()(input_ids=source), "attention_mask": None}
-        cache = engine.new_cache(64)
-        start = torch.full((1, 1), base.generation_config.decoder_start_token_id)
-        engine.forward(start, cache, forward_kwargs, cache_length=0)
-        fed = torch.full((1, 1), base.config.eos_token_id)
-
-        def one_call() -> None:
-            engine.forward(fed, cache, forward_kwargs, cache_length=1)
-            hf.crop_cache(cache, 1)  # as the loop does: the next call writes at the same position
-
-        one_call()  # compiles
-        call = median_ms(one_call, args.repeats)
-    inputs = tokenizer([DEMO_SENTENCES[0]], return_tensors="pt")
+    one_call = compiled_call(base, tokenizer, width=1)
+    one_call()  # compiles
+    call = median_ms(one_call, args.repeats)
+    inputs = tokenizer([SENTENCE], return_tensors="pt")
     sentence = median_ms(
         lambda: base.generate(**inputs, custom_generate=blockwise_generate, blockwise_compile=True, max_new_tokens=128),
         max(args.repeats // 20, 3),

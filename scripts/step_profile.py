@@ -23,7 +23,7 @@ from hf_blockwise import blockwise_generate
 from hf_blockwise.drafters.feature import FeatureDrafter
 from hf_blockwise.generation import loop, step
 from hf_blockwise.loading import load_model
-from hf_blockwise.tools.bench import read_lines
+from hf_blockwise.text_files import read_lines
 
 MODES = ("greedy", "greedy_compiled", "feature", "feature_compiled")
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
+
 import pytest
 import torch
 from transformers import PreTrainedModel
@@ -85,3 +90,13 @@ def word_tokenizer():
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
+TRAINING = Path(__file__).resolve().parent.parent / "training"
+
+
+def load_recipe_module(name: str) -> ModuleType:
+    """A module of `training/` (recipes are scripts that import their neighbours by name, not a package)."""
+    if str(TRAINING) not in sys.path:
+        sys.path.insert(0, str(TRAINING))
+    return importlib.import_module(name)

@@ -9,13 +9,13 @@ import warnings
 
 import pytest
 import torch
-from conftest import build_model, random_batch
+from conftest import build_model, load_recipe_module, random_batch
 from transformers import AutoModelForSeq2SeqLM, LogitsProcessor, LogitsProcessorList, MarianConfig, MarianMTModel
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 from zoo_media import build_media_model, media_batch, whisper_tokenizer
 
 from hf_blockwise import (
-    BlockwiseConfig,
+    BlockwiseHeadsConfig,
     BlockwiseHeadsModel,
     CompositeDrafter,
     FeatureDrafterConfig,
@@ -25,7 +25,7 @@ from hf_blockwise import (
     blockwise_generate,
     quantize_dynamic_int8,
 )
-from hf_blockwise.boundary import base_weights_fingerprint, save_shipped_model
+from hf_blockwise.boundary import base_weights_fingerprint
 from hf_blockwise.modeling.config import CONFIG_NAME, MAX_BLOCK_SIZE
 
 
@@ -36,7 +36,7 @@ def marian():
 
 @pytest.fixture(scope="module")
 def heads(marian) -> BlockwiseHeadsModel:
-    model = BlockwiseHeadsModel(marian, BlockwiseConfig(block_size=4))
+    model = BlockwiseHeadsModel(marian, BlockwiseHeadsConfig(block_size=4))
     torch.manual_seed(0)
     torch.nn.init.normal_(model.heads.down.weight, std=1.0)  # heads that draft something, right or wrong
     return model
@@ -109,7 +109,7 @@ def test_other_base_check_compares_weights(marian, tmp_path) -> None:
 
     # the same weights saved elsewhere (here in fp16, loaded back as fp32, as the shipped models are): no warning
     resaved = str(tmp_path / "resaved")
-    save_shipped_model(AutoModelForSeq2SeqLM.from_pretrained(base_dir), resaved)
+    load_recipe_module("recipe_common").save_shipped_model(AutoModelForSeq2SeqLM.from_pretrained(base_dir), resaved)
     no_warnings(
         lambda: BlockwiseHeadsModel.from_pretrained(
             heads_dir, base_model=AutoModelForSeq2SeqLM.from_pretrained(resaved)
@@ -131,7 +131,9 @@ def test_feature_drafter_other_base_check_compares_weights(marian, tmp_path) -> 
 
 
 def test_adapter_config_without_fingerprint_falls_back_to_names(marian, tmp_path) -> None:
-    BlockwiseHeadsModel(marian, BlockwiseConfig(base_model_name_or_path="org/base-a")).save_pretrained(str(tmp_path))
+    BlockwiseHeadsModel(marian, BlockwiseHeadsConfig(base_model_name_or_path="org/base-a")).save_pretrained(
+        str(tmp_path)
+    )
     path = os.path.join(str(tmp_path), CONFIG_NAME)
     config = read_json(path)
     del config["base_fingerprint"]  # as written before fingerprints existed
@@ -213,17 +215,17 @@ def test_processors_not_known_to_be_row_local_are_refused(marian, heads) -> None
 
 
 def test_block_size_past_the_limits_is_refused_early(marian) -> None:
-    for config_class in (BlockwiseConfig, FeatureDrafterConfig):
+    for config_class in (BlockwiseHeadsConfig, FeatureDrafterConfig):
         with pytest.raises(ValueError, match=f"block_size must be an int from 2 to {MAX_BLOCK_SIZE}.*got 1000"):
             config_class(block_size=1000)
     short = other_shape(marian, max_position_embeddings=8)
     for wrapper, config in (
-        (BlockwiseHeadsModel, BlockwiseConfig(block_size=10)),
+        (BlockwiseHeadsModel, BlockwiseHeadsConfig(block_size=10)),
         (FeatureDrafterModel, FeatureDrafterConfig(block_size=10)),
     ):
         with pytest.raises(ValueError, match=r"block_size=10 exceeds the 8 decoder positions .* block_size <= 8"):
             wrapper(short, config)
-    assert BlockwiseHeadsModel(short, BlockwiseConfig(block_size=8)).blockwise_config.block_size == 8
+    assert BlockwiseHeadsModel(short, BlockwiseHeadsConfig(block_size=8)).blockwise_config.block_size == 8
 
 
 # --- 7. a drafter made for a base of another shape ---------------------------------------------------------------
@@ -253,7 +255,7 @@ def test_wrapping_a_path_or_a_dict_gives_type_errors_naming_the_fix(marian) -> N
             wrapper(marian, {"block_size": 3})
         with pytest.raises(TypeError, match="wraps a transformers seq2seq model"):
             wrapper(42)
-    with pytest.raises(TypeError, match="takes a BlockwiseConfig or None, got FeatureDrafterConfig"):
+    with pytest.raises(TypeError, match="takes a BlockwiseHeadsConfig or None, got FeatureDrafterConfig"):
         BlockwiseHeadsModel(marian, FeatureDrafterConfig())
 
 

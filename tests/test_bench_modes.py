@@ -9,15 +9,45 @@ import pytest
 from conftest import build_model
 
 from hf_blockwise import InputCopyDrafter
-from hf_blockwise.loading import LoadedModel, build_drafter, missing_drafter
+from hf_blockwise.corpus import DRAFTERS as CORPUS_DRAFTERS
+from hf_blockwise.loading import DRAFTER_NAMES, DRAFTERS, LoadedModel, build_drafter, missing_drafter
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
 from hf_blockwise.modeling.quantization import Int8Linear
-from hf_blockwise.tools.bench import MODE_NAMES, BenchSetup, Mode, available_modes, run_bench
+from hf_blockwise.tools.bench import DEFAULT_MODES, MODE_NAMES, BenchSetup, Mode, available_modes, run_bench
+from hf_blockwise.tools.cli import build_parser, main
+from hf_blockwise.tools.cli.bench import requested_modes
 
 
 def test_every_listed_mode_parses_and_keeps_its_name() -> None:
     for name in MODE_NAMES:
         assert Mode.parse(name).name == name
+
+
+def test_every_entry_point_names_drafters_from_the_one_registry() -> None:
+    """The bench's drafting families, the corpus job's and the demo's choices all come from `loading.DRAFTERS`."""
+    drafting = {Mode.parse(name).family: Mode.parse(name).drafter for name in MODE_NAMES if Mode.parse(name).drafter}
+    assert set(drafting.values()) == set(DRAFTERS) and set(DRAFTER_NAMES) == {"none", *DRAFTERS}
+    for name, kind in DRAFTERS.items():
+        assert {family for family, drafter in drafting.items() if drafter == name} == set(kind.bench_families)
+    assert set(CORPUS_DRAFTERS) == {"auto", "none"} | {name for name, kind in DRAFTERS.items() if kind.corpus}
+    demo = next(action for action in _demo_parser()._actions if "--drafter" in action.option_strings)
+    assert set(demo.choices) == {"best"} | {name for name, kind in DRAFTERS.items() if kind.demo}
+
+
+def _demo_parser():
+    parser = build_parser()
+    subparsers = next(action for action in parser._actions if action.dest == "command")
+    return subparsers.choices["demo"]
+
+
+def test_modes_all_runs_every_mode_and_the_default_set_is_short() -> None:
+    parser = build_parser()
+    assert requested_modes(parser.parse_args(["bench", "--modes", "all"])) == list(MODE_NAMES)
+    default = requested_modes(parser.parse_args(["bench"]))
+    assert default == list(DEFAULT_MODES) and len(default) < len(MODE_NAMES) / 3
+    assert {"greedy", "ct2", "ct2_int8", "oracle_compiled"} <= set(default)
+    with pytest.raises(SystemExit):
+        main(["bench", "--modes", "all", "greedy"])
 
 
 @pytest.mark.parametrize(

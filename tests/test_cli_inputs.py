@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import build_model, word_tokenizer
 
-from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel
+from hf_blockwise import BlockwiseHeadsConfig, BlockwiseHeadsModel
 from hf_blockwise.corpus import generate_corpus, plan_batches
 from hf_blockwise.loading import default_max_new_tokens, load_model
 from hf_blockwise.tools.cli import main
@@ -34,7 +34,7 @@ def model_dir(tmp_path_factory) -> Path:
     base = build_model("marian", seed=3)
     base.generation_config.max_length = None
     base.generation_config.max_new_tokens = CHECKPOINT_LIMIT
-    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3))
+    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3))
     torch.nn.init.normal_(model.heads.down.weight, std=1.0)
     base.save_pretrained(directory)
     word_tokenizer().save_pretrained(directory)
@@ -105,6 +105,22 @@ def test_the_checkpoints_generation_config_is_the_default_length(tmp_path, model
     status, out, _ = run_cli(capsys, "demo", "--model", str(model_dir), "--repeats", "1", "--no-compile", sources[0])
     assert status == 0 and "max_new_tokens 5 (the checkpoint's generation_config)" in out
     assert f"blockwise: {greedy(model_dir, sources[:1], 1)[0].strip()}   [identical: True]" in out
+
+
+def test_the_demo_of_a_checkpoint_that_defaults_to_beams_compares_greedy_and_says_so(tmp_path, capsys) -> None:
+    """opus-mt's and BART-CNN's generation_config ask for 4 beams: the demo decodes greedy both ways (what blockwise
+    decoding reproduces) and says so, rather than a traceback from the refusal of beams."""
+    directory = tmp_path / "beams"
+    base = build_model("marian", seed=3)
+    base.generation_config.num_beams = 4
+    base.save_pretrained(directory)
+    word_tokenizer().save_pretrained(directory)
+    BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3)).save_pretrained(
+        directory, base_model_name_or_path="."
+    )
+    status, out, _ = run_cli(capsys, "demo", "--model", str(directory), "--repeats", "1", "--no-compile", "w5 w6 w7")
+    assert status == 0, out
+    assert "asks for num_beams=4" in out and "[identical: True]" in out
 
 
 def test_the_default_length_without_max_new_tokens_is_generates() -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import build_model, word_tokenizer
 
-from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, FeatureDrafterConfig, FeatureDrafterModel
+from hf_blockwise import BlockwiseHeadsConfig, BlockwiseHeadsModel, FeatureDrafterConfig, FeatureDrafterModel
 from hf_blockwise import boundary as hf
 from hf_blockwise.corpus import generate_corpus, plan_batches, read_sources
 from hf_blockwise.corpus.planning import chunks_of_shard
@@ -38,7 +38,7 @@ def model_dir(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("model")
     base = build_model("marian", seed=3)
     base.generation_config.max_length = None
-    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3))
+    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3))
     torch.nn.init.normal_(model.heads.down.weight, std=1.0)
     base.save_pretrained(directory)
     word_tokenizer().save_pretrained(directory)

@@ -12,7 +12,7 @@ from conftest import build_model, word_tokenizer
 from datasets import Dataset
 
 from hf_blockwise import (
-    BlockwiseConfig,
+    BlockwiseHeadsConfig,
     BlockwiseHeadsModel,
     FeatureDrafterConfig,
     FeatureDrafterModel,
@@ -54,7 +54,7 @@ def test_distill_dataset_adds_a_column(tmp_path) -> None:
 def test_demo_runs_offline_on_a_saved_directory(tmp_path, capsys) -> None:
     base, tokenizer = build_model("marian", seed=3), word_tokenizer()
     base.generation_config.max_length = None
-    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3))
+    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3))
     torch.nn.init.normal_(model.heads.down.weight, std=1.0)
     base.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
@@ -86,11 +86,20 @@ def test_demo_runs_offline_on_a_saved_directory(tmp_path, capsys) -> None:
         main(["demo", "--model", str(tmp_path / "missing")])
 
 
-def test_bench_compares_every_mode_and_writes_reports(tmp_path, capsys) -> None:
+# every kind of mode: transformers' references, each drafter eager and compiled, int8, the loop and the oracle
+EVERY_KIND_OF_MODE = (
+    "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_top2", "seq_heads", "feature", "composite", "iad",
+    "gad", "gad_pp", "loop", "oracle", "greedy_compiled", "oracle_compiled", "heads_compiled", "seq_heads_compiled",
+    "feature_compiled", "iad_compiled", "composite_compiled", "hf_greedy_compiled", "greedy_int8",
+    "greedy_int8_compiled", "feature_int8_compiled", "ct2", "ct2_int8",
+)  # fmt: skip
+
+
+def checkpoint_with_every_drafter(checkpoint: Path) -> None:
+    """A tiny BART saved with its tokenizer, heads, and the drafters the bench finds beside a model."""
     base, tokenizer = build_model("bart", seed=3), word_tokenizer()
-    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3))
+    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3))
     torch.nn.init.normal_(model.heads.down.weight, std=1.0)
-    checkpoint = tmp_path / "model"
     base.save_pretrained(checkpoint)
     tokenizer.save_pretrained(checkpoint)
     model.save_pretrained(checkpoint, base_model_name_or_path=".")
@@ -100,14 +109,20 @@ def test_bench_compares_every_mode_and_writes_reports(tmp_path, capsys) -> None:
     FeatureDrafterModel(base, FeatureDrafterConfig(block_size=4)).save_pretrained(
         checkpoint / "feature-drafter", base_model_name_or_path=".."
     )
-    sequential = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3, sequential=True))
+    sequential = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3, sequential=True))
     sequential.save_pretrained(checkpoint / "sequential-heads", base_model_name_or_path="..")
+
+
+def test_bench_compares_every_mode_and_writes_reports(tmp_path, capsys) -> None:
+    checkpoint = tmp_path / "model"
+    checkpoint_with_every_drafter(checkpoint)
     sources = tmp_path / "sources.txt"
     sources.write_text("\n".join(SOURCES[:5]) + "\n")
     out = tmp_path / "bench"
     arguments = ["bench", "--model", str(checkpoint), "--source-file", str(sources), "--reference-file", str(sources)]
     # the drafter's model also serves, used autoregressively, as transformers' assistant model
     arguments += ["--assistant-model", str(checkpoint / "nar-drafter")]
+    arguments += ["--modes", *EVERY_KIND_OF_MODE]
     assert (
         main([*arguments, "--batch-sizes", "1", "3", "--max-new-tokens", "8", "--out", str(out), "--cost-curve"]) == 0
     )

@@ -16,7 +16,7 @@ from conftest import random_batch as make_batch
 from test_exactness import assert_same_as_greedy
 
 from hf_blockwise import (
-    BlockwiseConfig,
+    BlockwiseHeadsConfig,
     BlockwiseHeadsModel,
     InputCopyDrafter,
     UnsupportedModelError,
@@ -52,7 +52,7 @@ def _drafter(base, name: str, greedy: torch.Tensor, block_size: int, seed: int):
     if name == "noisy_oracle":
         return OracleDrafter(greedy, block_size=block_size, corruption=0.25, seed=seed)
     if name == "heads":
-        model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=block_size, condition_on_token=True))
+        model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=block_size, condition_on_token=True))
         torch.manual_seed(seed)
         torch.nn.init.normal_(model.heads.down.weight, std=1.0)
         return model.drafter()
@@ -161,7 +161,7 @@ def test_a_kept_verdict_is_cleared_and_the_model_probed_again(monkeypatch) -> No
 @pytest.mark.parametrize("architecture", REFUSED_ARCHITECTURES)
 def test_heads_need_the_output_projection(architecture: str) -> None:
     with pytest.raises(ValueError, match="Proposal heads project their states with the base's output projection"):
-        BlockwiseHeadsModel(build_model(architecture), BlockwiseConfig(block_size=3))
+        BlockwiseHeadsModel(build_model(architecture), BlockwiseHeadsConfig(block_size=3))
 
 
 def test_positions_counting_non_pad_tokens_are_detected_from_behaviour() -> None:

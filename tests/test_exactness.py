@@ -10,7 +10,7 @@ import torch
 from conftest import ARCHITECTURES, OracleDrafter, random_batch
 
 from hf_blockwise import (
-    BlockwiseConfig,
+    BlockwiseHeadsConfig,
     BlockwiseHeadsModel,
     DistanceAcceptance,
     Drafter,
@@ -72,7 +72,9 @@ LOSSLESS_RULES = {
 
 
 def heads_model(base, block_size: int, seed: int, zero: bool, condition_on_token: bool = False) -> BlockwiseHeadsModel:
-    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=block_size, condition_on_token=condition_on_token))
+    model = BlockwiseHeadsModel(
+        base, BlockwiseHeadsConfig(block_size=block_size, condition_on_token=condition_on_token)
+    )
     if not zero:
         torch.manual_seed(seed)
         torch.nn.init.normal_(model.heads.down.weight, std=1.0)
@@ -147,7 +149,7 @@ def test_no_drafter_is_greedy(tiny_models, architecture: str) -> None:
     greedy = base.generate(**batch, max_new_tokens=20)
     output = base.generate(**batch, max_new_tokens=20, custom_generate=blockwise_generate, assistant=None)
     assert_same_as_greedy(base, batch, greedy, output)
-    heads = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=4))
+    heads = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=4))
     assert torch.equal(heads.generate(**batch, max_new_tokens=20, assistant=None), greedy)
 
 
@@ -227,7 +229,7 @@ def test_heads_forwards_bound_with_perfect_heads(tiny_models) -> None:
     base = copy.deepcopy(tiny_models["bart"])
     with torch.no_grad():
         base.final_logits_bias[0, 9] = 1e3  # every position now predicts token 9, heads' copies of p1 too
-    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=5))
+    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=5))
     batch = random_batch(base, 1, seed=0)
     output = model.generate(**batch, max_new_tokens=21, return_dict_in_generate=True)
     assert output.sequences[0, 1:].tolist() == [9] * 21

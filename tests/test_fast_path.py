@@ -14,7 +14,7 @@ import torch._inductor.config
 from conftest import ARCHITECTURES, OracleDrafter, build_model, random_batch, word_tokenizer
 
 from hf_blockwise import (
-    BlockwiseConfig,
+    BlockwiseHeadsConfig,
     BlockwiseHeadsModel,
     FeatureDrafterModel,
     blockwise_generate,
@@ -37,7 +37,7 @@ def draft(drafter, request: DraftRequest):
 
 
 def heads_with_shortlist(base, seed: int) -> BlockwiseHeadsModel:
-    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=4))
+    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=4))
     torch.manual_seed(seed)
     torch.nn.init.normal_(model.heads.down.weight, std=1.0)
     model.set_shortlist(frequent_tokens([list(range(3, 40))], size=24, always=[base.config.eos_token_id]))

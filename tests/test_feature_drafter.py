@@ -11,7 +11,13 @@ from conftest import ARCHITECTURES, build_model, random_batch
 from datasets import Dataset
 from test_exactness import GENERATE_ARGUMENTS, assert_same_as_greedy
 
-from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, InputCopyDrafter, NARDrafterModel, blockwise_generate
+from hf_blockwise import (
+    BlockwiseHeadsConfig,
+    BlockwiseHeadsModel,
+    InputCopyDrafter,
+    NARDrafterModel,
+    blockwise_generate,
+)
 from hf_blockwise.drafters.base import Drafter, VerifiedStates
 from hf_blockwise.drafters.composite import CompositeDrafter
 from hf_blockwise.drafters.feature import merge_verified
@@ -201,7 +207,7 @@ def test_trainer_learns_checkpoints_the_drafter_only_and_resumes(tmp_path) -> No
 def sequential_heads_model(architecture: str, steps: int) -> tuple[BlockwiseHeadsModel, dict, torch.Tensor]:
     base = build_model(architecture)
     torch.manual_seed(0)
-    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=4, sequential=True, head_hidden_size=64))
+    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=4, sequential=True, head_hidden_size=64))
     batch = random_batch(base, 6, seed=1)
     greedy, labels = greedy_labels(base, batch)
     fit(model, model.heads.parameters(), lambda: model(**batch, labels=labels).loss, steps, lr=1e-2)

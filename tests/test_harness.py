@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import VOCAB_SIZE, build_model, word_tokenizer
 
-from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, compare_to_greedy
+from hf_blockwise import BlockwiseHeadsConfig, BlockwiseHeadsModel, compare_to_greedy
 from hf_blockwise.evaluation.harness import ModeResult, generated_tokens, measure, same_output
 from hf_blockwise.loading import LoadedModel
 from hf_blockwise.tools.bench import (
@@ -158,7 +158,7 @@ def test_markdown_table_and_plot_leave_out_what_is_empty(tmp_path) -> None:
 
 def test_compare_to_greedy_is_built_from_the_harness() -> None:
     base, tokenizer = build_model("bart", seed=3), word_tokenizer()
-    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3))
+    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3))
     torch.nn.init.normal_(model.heads.down.weight, std=1.0)
     sources = [" ".join(f"w{3 + (i * 7 + j * 5) % 60}" for j in range(3 + i)) for i in range(3)]
     comparison = compare_to_greedy(

@@ -14,7 +14,7 @@ import pytest
 
 import hf_blockwise
 
-# The house rule for the package's code: a function longer than this is split into named helpers.
+# The house rule for the repository's code: a function longer than this is split into named helpers.
 MAX_FUNCTION_LINES = 60
 
 TOOLS_LOADED = "import hf_blockwise, sys; print([m for m in sys.modules if m.startswith('hf_blockwise.tools')])"
@@ -56,6 +56,19 @@ def test_the_public_api_comes_from_the_library() -> None:
         assert not module.startswith("hf_blockwise.tools"), f"{name} comes from {module}"
 
 
+def test_recipes_import_no_tool() -> None:
+    """The training recipes share their helpers beside them (`training/recipe_common.py`, `data.py`) or take them
+    from the library, never from `hf_blockwise.tools` (the bench and the CLI sit on top of everything)."""
+    training = Path(hf_blockwise.__file__).parent.parent / "training"
+    offenders = []
+    for path in sorted(training.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            offenders += [f"{path.name}: {name}" for name in names if name.startswith("hf_blockwise.tools")]
+    assert not offenders, offenders
+
+
 def long_functions(source: str, limit: int) -> list[tuple[str, int]]:
     """(qualified name, length) of every function or method in `source` longer than `limit` lines, from `def` to
     its last line (decorators not counted), nested functions included."""
@@ -82,11 +95,13 @@ def test_long_functions_measures_def_to_last_line() -> None:
     assert long_functions(source, 6) == []
 
 
-def test_no_function_in_the_package_is_over_the_limit() -> None:
-    package = Path(hf_blockwise.__file__).parent
+def test_no_function_in_the_repository_is_over_the_limit() -> None:
+    """The package, its recipes, scripts and tests."""
+    root = Path(hf_blockwise.__file__).parent.parent
     too_long = [
-        f"{path.relative_to(package)}: {name} ({length} lines)"
-        for path in sorted(package.rglob("*.py"))
+        f"{path.relative_to(root)}: {name} ({length} lines)"
+        for folder in ("hf_blockwise", "training", "scripts", "tests")
+        for path in sorted((root / folder).rglob("*.py"))
         for name, length in long_functions(path.read_text(encoding="utf-8"), MAX_FUNCTION_LINES)
     ]
     assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines, split them into named helpers: {too_long}"

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, build_model, random_batch
+from conftest import ARCHITECTURES, build_model, load_recipe_module, random_batch
 from safetensors import safe_open
 from transformers import AutoModelForSeq2SeqLM, GenerationConfig, GPT2Config, GPT2LMHeadModel
 from transformers.generation.streamers import BaseStreamer
 
+import hf_blockwise
 from hf_blockwise import (
-    BlockwiseConfig,
+    BlockwiseHeadsConfig,
     BlockwiseHeadsModel,
     DecodingStats,
     DraftRequest,
@@ -23,11 +25,12 @@ from hf_blockwise import (
     frequent_tokens,
 )
 from hf_blockwise import boundary as hf
-from hf_blockwise.boundary import output_projection_logits, save_shipped_model
-from hf_blockwise.loading import LoadedModel, load_model
+from hf_blockwise.boundary import output_projection_logits
+from hf_blockwise.loading import SHIPPED_MODEL, LoadedModel, load_model
 from hf_blockwise.serialization import atomic_write_text
 from hf_blockwise.tools.bench import BenchSetup, run_bench
-from hf_blockwise.tools.cli import SHIPPED_MODEL
+from hf_blockwise.training.heads_config import BlockwiseHeadsTrainingArguments
+from hf_blockwise.training.heads_trainer import BlockwiseHeadsTrainer
 
 
 def draft(drafter, request: DraftRequest):
@@ -36,7 +39,7 @@ def draft(drafter, request: DraftRequest):
 
 
 def trained_looking_heads(base, block_size: int = 4, seed: int = 0) -> BlockwiseHeadsModel:
-    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=block_size))
+    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=block_size))
     torch.manual_seed(seed)
     torch.nn.init.normal_(model.heads.down.weight, std=1.0)
     return model
@@ -46,7 +49,7 @@ def trained_looking_heads(base, block_size: int = 4, seed: int = 0) -> Blockwise
 def test_untrained_heads_copy_p1(tiny_models, architecture: str) -> None:
     """Zero-initialised heads through the base's own projection (bias, T5 rescaling) reproduce its logits."""
     base = tiny_models[architecture]
-    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3))
+    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3))
     batch = random_batch(base, 2, seed=3)
     with torch.no_grad():
         output = model(**batch, decoder_input_ids=torch.randint(3, 50, (2, 5)))
@@ -63,20 +66,20 @@ def test_output_projection_applies_final_logits_bias(tiny_models) -> None:
 
 
 def test_config_is_filled_from_base_and_validated(tiny_models) -> None:
-    model = BlockwiseHeadsModel(tiny_models["t5"], BlockwiseConfig(block_size=5))
+    model = BlockwiseHeadsModel(tiny_models["t5"], BlockwiseHeadsConfig(block_size=5))
     assert model.config is tiny_models["t5"].config
     config = model.blockwise_config
     assert config.num_heads == 4
     assert config.head_hidden_size == 48  # the base decoder's d_ff
     assert (config.base_model_type, config.hidden_size, config.vocab_size) == ("t5", 32, 64)
     assert model.heads.up.out_features == 4 * 48 and model.heads.down.out_features == 4 * 32
-    round_trip = BlockwiseConfig.from_dict(json.loads(config.to_json_string()))
+    round_trip = BlockwiseHeadsConfig.from_dict(json.loads(config.to_json_string()))
     assert round_trip == config
     for bad in ({"block_size": 1}, {"block_size": 2.5}, {"block_size": True}, {"head_hidden_size": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
-            BlockwiseConfig(**bad)
-    with pytest.raises(ValueError, match="Unknown BlockwiseConfig keys"):
-        BlockwiseConfig.from_dict({"block_size": 3, "heads": 2})
+            BlockwiseHeadsConfig(**bad)
+    with pytest.raises(ValueError, match="Unknown BlockwiseHeadsConfig keys"):
+        BlockwiseHeadsConfig.from_dict({"block_size": 3, "heads": 2})
 
 
 def test_save_and_load_round_trip(tmp_path, tiny_models) -> None:
@@ -313,7 +316,7 @@ def test_first_divergence_reports_position_and_gap(tiny_models) -> None:
 def test_training_step_moves_heads_and_leaves_frozen_base(tiny_models) -> None:
     base = build_model("marian", seed=1)
     base_before = {name: tensor.clone() for name, tensor in base.state_dict().items()}
-    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=4))
+    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=4))
     base.requires_grad_(False)
     heads_before = {name: tensor.clone() for name, tensor in model.heads.state_dict().items()}
     optimizer = torch.optim.AdamW(model.heads.parameters(), lr=1e-2)
@@ -365,7 +368,7 @@ def test_shortlist_restricts_proposals_keeps_output_and_is_saved(tmp_path, tiny_
 
 
 def test_bad_shortlists_are_refused(tiny_models) -> None:
-    model = BlockwiseHeadsModel(tiny_models["bart"], BlockwiseConfig(block_size=3))
+    model = BlockwiseHeadsModel(tiny_models["bart"], BlockwiseHeadsConfig(block_size=3))
     with pytest.raises(ValueError, match="must lie in"):
         model.set_shortlist([1, 10_000])
     with pytest.raises(ValueError, match="unique"):
@@ -398,7 +401,7 @@ def test_fewer_heads_propose_the_prefix_of_all_heads(tiny_models) -> None:
 def test_token_conditioned_heads_train_save_and_reload(tmp_path, tiny_models, architecture: str) -> None:
     """Heads that also read the chosen token: the loss reaches their token input, and they round-trip."""
     base = tiny_models[architecture]
-    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3, condition_on_token=True))
+    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3, condition_on_token=True))
     assert model.heads.up.in_features == 2 * base.config.d_model
     batch = random_batch(base, 2, seed=6)
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
@@ -435,7 +438,7 @@ def test_shipped_models_load_as_float32_and_limit_new_tokens(tmp_path) -> None:
     """Plain `from_pretrained` gives float32 (fp16 on disk), and `max_new_tokens` conflicts with nothing."""
     model = build_model("marian")
     model.generation_config.max_length = 50
-    save_shipped_model(model, tmp_path)
+    load_recipe_module("recipe_common").save_shipped_model(model, tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as weights:
         assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.float16}  # noqa: SIM118
     assert model.dtype == torch.float32  # the caller's model is left as it was
@@ -452,7 +455,7 @@ def test_resaved_heads_name_a_base_that_resolves_and_another_base_is_a_warning(t
     base.generation_config.max_length = None
     shipped = tmp_path / "shipped"
     base.save_pretrained(shipped)
-    BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3)).save_pretrained(shipped, base_model_name_or_path=".")
+    BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3)).save_pretrained(shipped, base_model_name_or_path=".")
     loaded = BlockwiseHeadsModel.from_pretrained(shipped)
     loaded.save_pretrained(tmp_path / "resaved")
     monkeypatch.chdir(tmp_path)  # a relative "." would now point here, where no model is
@@ -462,3 +465,17 @@ def test_resaved_heads_name_a_base_that_resolves_and_another_base_is_a_warning(t
     other.name_or_path = "some-org/another-marian"
     with pytest.warns(UserWarning, match="trained for base .* attached to 'some-org/another-marian'"):
         BlockwiseHeadsModel.from_pretrained(tmp_path / "resaved", base_model=other)
+
+
+def test_the_heads_names_before_0_2_still_work_and_warn() -> None:
+    """`BlockwiseConfig`, `BlockwiseTrainer`, `BlockwiseTrainingArguments` and their modules are now named for
+    heads; the old names stay for one release, with a `FutureWarning` that names the new one."""
+    with pytest.warns(FutureWarning, match="BlockwiseHeadsConfig"):
+        assert hf_blockwise.BlockwiseConfig is BlockwiseHeadsConfig
+    for old_module, old_name, new in (
+        ("blockwise_trainer", "BlockwiseTrainer", BlockwiseHeadsTrainer),
+        ("blockwise_config", "BlockwiseTrainingArguments", BlockwiseHeadsTrainingArguments),
+    ):
+        with pytest.warns(FutureWarning, match=new.__name__):
+            module = importlib.import_module(f"hf_blockwise.training.{old_module}")
+            assert getattr(module, old_name) is new

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from test_trainer import copy_task
 
 from hf_blockwise import (
-    BlockwiseConfig,
+    BlockwiseHeadsConfig,
     BlockwiseHeadsModel,
     GADPlusPlusAcceptance,
     NARDrafterConfig,
@@ -149,7 +149,7 @@ def test_gad_plus_plus_runs_with_the_drafter(tiny_models) -> None:
 
 def test_drafter_works_beside_a_heads_model(tiny_models) -> None:
     base = tiny_models["marian"]
-    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3))
+    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3))
     drafter = NARDrafterModel.from_verifier(model, mask_token_id=MASK, block_size=4).drafter(verifier=model)
     batch = random_batch(base, 2, seed=8)
     greedy = base.generate(**batch, do_sample=False, num_beams=1, max_new_tokens=16)

@@ -14,7 +14,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from hf_blockwise.tools.cli import SHIPPED_MODEL
+from hf_blockwise.loading import SHIPPED_MODEL
 
 SHIPPED_GEC_MODEL = str(Path(SHIPPED_MODEL).parent / "gec-en")
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"

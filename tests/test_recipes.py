@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from conftest import build_model, word_tokenizer
+from conftest import build_model, load_recipe_module, word_tokenizer
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 
@@ -125,16 +124,8 @@ def test_self_distillation_and_feature_drafter_recipes_train_resume_and_ship(tmp
     assert sorted(os.listdir(ship_dir)) == ["README.md", "feature_drafter.safetensors", "feature_drafter_config.json"]
 
 
-def _load_recipe_module(name: str):
-    """A module of `training/` (recipes are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(name, REPOSITORY / "training" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_synthetic_errors_are_learner_like_reproducible_and_leave_some_sentences_clean() -> None:
-    errors = _load_recipe_module("synthetic_errors")
+    errors = load_recipe_module("synthetic_errors")
     assert errors.bea_tokenize("Mr. Smith's dog isn't here, is it?") == [
         "Mr.", "Smith", "'s", "dog", "is", "n't", "here", ",", "is", "it", "?",
     ]  # fmt: skip

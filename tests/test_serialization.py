@@ -18,13 +18,14 @@ from torch import nn
 from transformers import AutoModelForSeq2SeqLM
 
 from hf_blockwise import (
-    BlockwiseConfig,
+    BlockwiseHeadsConfig,
     BlockwiseHeadsModel,
     FeatureDrafterConfig,
     FeatureDrafterModel,
     NARDrafterModel,
     serialization,
 )
+from hf_blockwise.modeling.nar_model import NAR_CONFIG_NAME
 from hf_blockwise.serialization import load_adapter_weights, read_adapter_weights
 
 MASK = 3
@@ -54,7 +55,7 @@ def _perturbed(module: nn.Module) -> Callable[[], None]:
 def make_adapter(kind: str) -> Adapter:
     base = build_model("marian", seed=1)
     if kind in ("heads", "sequential_heads"):
-        model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3, sequential=kind == "sequential_heads"))
+        model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3, sequential=kind == "sequential_heads"))
         model.set_shortlist(torch.arange(4, 40))
         return Adapter(
             model,
@@ -186,7 +187,7 @@ def test_lora_adapter_of_the_heads_round_trips_and_is_checked(tmp_path) -> None:
     def lora_heads(rank: int) -> BlockwiseHeadsModel:
         torch.manual_seed(rank)
         base = get_peft_model(build_model("bart", seed=2), LoraConfig(task_type=TaskType.SEQ_2_SEQ_LM, r=rank))
-        model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3))
+        model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3))
         _perturbed(model)()  # LoRA's B starts at zero; make every weight differ from a fresh model's
         return model
 
@@ -241,7 +242,7 @@ def test_a_missing_weights_file_is_a_clear_error(tmp_path, kind: str) -> None:
 def test_heads_saved_with_their_base_record_its_weights_as_they_are_now(tmp_path) -> None:
     """Full fine-tuning trains the base after the heads were attached: the checkpoint's fingerprint is the trained
     base's, so attaching the heads to that base again gives no "other base" warning."""
-    model = BlockwiseHeadsModel(build_model("marian", seed=1), BlockwiseConfig(block_size=3))
+    model = BlockwiseHeadsModel(build_model("marian", seed=1), BlockwiseHeadsConfig(block_size=3))
     recorded_at_attach = model.blockwise_config.base_fingerprint
     with torch.no_grad():
         model.base_model.get_output_embeddings().weight.add_(0.5)  # what training the base does to it
@@ -287,3 +288,17 @@ def test_every_shipped_adapter_records_its_bases_fingerprint() -> None:
     assert len(configs) == 7
     for path in configs:
         assert json.loads(path.read_text())["base_fingerprint"], path
+    nar_config = SHIPPED / "multi30k-en-de" / "nar-drafter" / NAR_CONFIG_NAME
+    assert json.loads(nar_config.read_text())["verifier_fingerprint"]
+
+
+def test_a_nar_drafter_loaded_onto_another_verifier_warns() -> None:
+    """The shipped NAR drafter holds only the weights that differ from its verifier: loaded onto gec-en (same
+    vocabulary size) it would silently take gec-en's weights for the rest; its recorded fingerprint tells."""
+    stranger = AutoModelForSeq2SeqLM.from_pretrained(SHIPPED / "gec-en")
+    with pytest.warns(UserWarning, match="weights differ from that base's"):
+        NARDrafterModel.from_pretrained(SHIPPED / "multi30k-en-de" / "nar-drafter", verifier=stranger)
+    own = AutoModelForSeq2SeqLM.from_pretrained(SHIPPED / "multi30k-en-de")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        NARDrafterModel.from_pretrained(SHIPPED / "multi30k-en-de" / "nar-drafter", verifier=own)

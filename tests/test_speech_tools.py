@@ -18,10 +18,10 @@ from transformers import TrainingArguments, WhisperFeatureExtractor, WhisperProc
 from zoo_media import WHISPER_SAMPLING_RATE, build_media_model, whisper_feature_extractor, whisper_tokenizer
 
 from hf_blockwise import boundary as hf
+from hf_blockwise.audio import read_audio_folder, read_wav, write_wav
 from hf_blockwise.evaluation.scores import normalize_words, word_error_rate
 from hf_blockwise.modeling.config import FeatureDrafterConfig
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
-from hf_blockwise.tools.audio import read_audio_folder, read_wav, write_wav
 from hf_blockwise.tools.cli import main
 
 

@@ -24,7 +24,7 @@ from zoo_media import (
     whisper_tokenizer,
 )
 
-from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, blockwise_generate, check_decoder
+from hf_blockwise import BlockwiseHeadsConfig, BlockwiseHeadsModel, blockwise_generate, check_decoder
 from hf_blockwise import boundary as hf
 from hf_blockwise.evaluation.harness import DecoderCallCounter
 from hf_blockwise.modeling.config import FeatureDrafterConfig
@@ -90,7 +90,7 @@ def _feature_drafter(model):
 
 def _drafters(model, searches: list[torch.Tensor], seed: int):
     yield "noisy_oracle", model, _ReplayingOracle(searches, block_size=4, corruption=0.25, seed=seed)
-    heads = BlockwiseHeadsModel(model, BlockwiseConfig(block_size=3, condition_on_token=True))
+    heads = BlockwiseHeadsModel(model, BlockwiseHeadsConfig(block_size=3, condition_on_token=True))
     torch.manual_seed(seed)
     torch.nn.init.normal_(heads.heads.down.weight, std=1.0)
     yield "heads", model, heads.drafter()

@@ -1,4 +1,4 @@
-"""BlockwiseTrainer on a tiny model: heads learn, a frozen base stays put, checkpoints hold heads, resume works."""
+"""BlockwiseHeadsTrainer on a tiny model: heads learn, a frozen base stays put, checkpoints hold heads, resume works."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 from conftest import build_model, random_batch
 from datasets import Dataset
 
-from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel
-from hf_blockwise.training.blockwise_config import BlockwiseTrainingArguments
-from hf_blockwise.training.blockwise_trainer import BlockwiseTrainer
+from hf_blockwise import BlockwiseHeadsConfig, BlockwiseHeadsModel
+from hf_blockwise.training.heads_config import BlockwiseHeadsTrainingArguments
+from hf_blockwise.training.heads_trainer import BlockwiseHeadsTrainer
 
 
 def copy_task(num_examples: int, seed: int) -> Dataset:
@@ -25,7 +25,7 @@ def copy_task(num_examples: int, seed: int) -> Dataset:
     return Dataset.from_list(rows)
 
 
-def make_args(output_dir, **overrides) -> BlockwiseTrainingArguments:
+def make_args(output_dir, **overrides) -> BlockwiseHeadsTrainingArguments:
     settings = dict(
         output_dir=str(output_dir),
         per_device_train_batch_size=8,
@@ -42,7 +42,7 @@ def make_args(output_dir, **overrides) -> BlockwiseTrainingArguments:
         disable_tqdm=True,
     )
     settings.update(overrides)
-    return BlockwiseTrainingArguments(**settings)
+    return BlockwiseHeadsTrainingArguments(**settings)
 
 
 def test_training_arguments_are_validated(tmp_path) -> None:
@@ -55,7 +55,7 @@ def test_training_arguments_are_validated(tmp_path) -> None:
 
 def test_head_losses_use_each_heads_shifted_labels() -> None:
     """Per-head loss and accuracy (labelled positions only) equal those computed from the full head logits."""
-    model = BlockwiseHeadsModel(build_model("marian", seed=8), BlockwiseConfig(block_size=4))
+    model = BlockwiseHeadsModel(build_model("marian", seed=8), BlockwiseHeadsConfig(block_size=4))
     torch.nn.init.normal_(model.heads.down.weight, std=0.5)
     batch = random_batch(model.base_model, 3, seed=2)
     labels = torch.randint(3, 50, (3, 6))
@@ -81,7 +81,7 @@ def trained_decoder_inputs(model: BlockwiseHeadsModel, labels: torch.Tensor) -> 
 
 
 def test_a_head_without_targets_adds_no_loss() -> None:
-    model = BlockwiseHeadsModel(build_model("bart", seed=8), BlockwiseConfig(block_size=4))
+    model = BlockwiseHeadsModel(build_model("bart", seed=8), BlockwiseHeadsConfig(block_size=4))
     batch = random_batch(model.base_model, 2, seed=2)
     output = model(**batch, labels=torch.tensor([[5, 6], [7, -100]]))  # head 2 and 3 look past the end
     assert torch.isfinite(output.loss) and output.head_losses[1:].tolist() == [0.0, 0.0]
@@ -93,10 +93,10 @@ def test_a_head_without_targets_adds_no_loss() -> None:
 def test_frozen_base_training_moves_heads_only(tmp_path, head_loss: str) -> None:
     base = build_model("marian", seed=3)
     base_before = {name: tensor.clone() for name, tensor in base.state_dict().items()}
-    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3))
+    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3))
     heads_before = {name: tensor.clone() for name, tensor in model.heads.state_dict().items()}
     data = copy_task(48, seed=1)
-    trainer = BlockwiseTrainer(model=model, args=make_args(tmp_path, head_loss=head_loss), train_dataset=data)
+    trainer = BlockwiseHeadsTrainer(model=model, args=make_args(tmp_path, head_loss=head_loss), train_dataset=data)
     trainer.train()
 
     assert all(torch.equal(base_before[name], tensor) for name, tensor in base.state_dict().items())
@@ -113,8 +113,10 @@ def test_resume_from_checkpoint_matches_an_uninterrupted_run(tmp_path) -> None:
     data = copy_task(48, seed=2)
 
     def run(output_dir, max_steps: int, resume: bool | str = False) -> BlockwiseHeadsModel:
-        model = BlockwiseHeadsModel(build_model("bart", seed=4), BlockwiseConfig(block_size=3))
-        trainer = BlockwiseTrainer(model=model, args=make_args(output_dir, max_steps=max_steps), train_dataset=data)
+        model = BlockwiseHeadsModel(build_model("bart", seed=4), BlockwiseHeadsConfig(block_size=3))
+        trainer = BlockwiseHeadsTrainer(
+            model=model, args=make_args(output_dir, max_steps=max_steps), train_dataset=data
+        )
         trainer.train(resume_from_checkpoint=resume or None)
         return model
 
@@ -127,8 +129,8 @@ def test_resume_from_checkpoint_matches_an_uninterrupted_run(tmp_path) -> None:
 def test_full_fine_tuning_trains_base_and_saves_it(tmp_path) -> None:
     base = build_model("t5", seed=5)
     base_before = {name: tensor.clone() for name, tensor in base.state_dict().items()}
-    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3))
-    trainer = BlockwiseTrainer(
+    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3))
+    trainer = BlockwiseHeadsTrainer(
         model=model, args=make_args(tmp_path, base_training="full", max_steps=3), train_dataset=copy_task(24, 3)
     )
     trainer.train()
@@ -139,9 +141,9 @@ def test_full_fine_tuning_trains_base_and_saves_it(tmp_path) -> None:
 
 
 def test_evaluate_decodes_blockwise(tmp_path) -> None:
-    model = BlockwiseHeadsModel(build_model("pegasus", seed=6), BlockwiseConfig(block_size=4))
+    model = BlockwiseHeadsModel(build_model("pegasus", seed=6), BlockwiseHeadsConfig(block_size=4))
     data = copy_task(16, seed=4)
-    trainer = BlockwiseTrainer(model=model, args=make_args(tmp_path), train_dataset=data, eval_dataset=data)
+    trainer = BlockwiseHeadsTrainer(model=model, args=make_args(tmp_path), train_dataset=data, eval_dataset=data)
     metrics = trainer.evaluate()
     assert metrics["eval_mean_accepted"] >= 1.0
     assert {"eval_loss", "eval_head_1_loss", "eval_head_3_accuracy"} <= set(metrics) | {
@@ -153,10 +155,12 @@ def test_lora_trains_adapters_and_heads_and_reloads_merged(tmp_path) -> None:
     base = build_model("bart", seed=7)
     base.save_pretrained(tmp_path / "base")
     base_before = {name: tensor.clone() for name, tensor in base.state_dict().items()}
-    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=3, base_model_name_or_path=str(tmp_path / "base")))
+    model = BlockwiseHeadsModel(
+        base, BlockwiseHeadsConfig(block_size=3, base_model_name_or_path=str(tmp_path / "base"))
+    )
     heads_before = {name: tensor.clone() for name, tensor in model.heads.state_dict().items()}
     args = make_args(tmp_path / "run", base_training="lora", max_steps=3, lora_r=4)
-    trainer = BlockwiseTrainer(model=model, args=args, train_dataset=copy_task(24, 3))
+    trainer = BlockwiseHeadsTrainer(model=model, args=args, train_dataset=copy_task(24, 3))
     trainer.train()
 
     adapted = dict(model.base_model.named_parameters())
@@ -195,9 +199,9 @@ def test_resume_with_a_trained_base_matches_an_uninterrupted_run(tmp_path, base_
     data = copy_task(48, seed=2)
 
     def run(output_dir, resume: str | None = None) -> BlockwiseHeadsModel:
-        model = BlockwiseHeadsModel(build_model("bart", seed=4), BlockwiseConfig(block_size=3))
+        model = BlockwiseHeadsModel(build_model("bart", seed=4), BlockwiseHeadsConfig(block_size=3))
         args = make_args(output_dir, base_training=base_training, lora_r=4)
-        BlockwiseTrainer(model=model, args=args, train_dataset=data).train(resume_from_checkpoint=resume)
+        BlockwiseHeadsTrainer(model=model, args=args, train_dataset=data).train(resume_from_checkpoint=resume)
         return model
 
     straight = run(tmp_path / "straight")
@@ -216,14 +220,14 @@ def test_resume_with_a_trained_base_matches_an_uninterrupted_run(tmp_path, base_
 
 
 def test_load_best_model_at_end_restores_the_best_checkpoints_heads(tmp_path) -> None:
-    model = BlockwiseHeadsModel(build_model("marian", seed=3), BlockwiseConfig(block_size=3))
+    model = BlockwiseHeadsModel(build_model("marian", seed=3), BlockwiseHeadsConfig(block_size=3))
     data = copy_task(24, seed=5)
     # "best" is the highest eval loss: the first checkpoint, so the end of training must roll the heads back
     args = make_args(
         tmp_path, eval_strategy="steps", eval_steps=3, load_best_model_at_end=True, metric_for_best_model="loss",
         greater_is_better=True, eval_decoding_samples=4,
     )  # fmt: skip
-    trainer = BlockwiseTrainer(model=model, args=args, train_dataset=data, eval_dataset=data)
+    trainer = BlockwiseHeadsTrainer(model=model, args=args, train_dataset=data, eval_dataset=data)
     trainer.train()
     assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-3")
     best = BlockwiseHeadsModel.from_pretrained(tmp_path / "checkpoint-3", base_model=build_model("marian", seed=3))
@@ -240,12 +244,12 @@ def test_trainers_override_no_private_trainer_method_but_through_the_boundary(tm
     from hf_blockwise.training.feature_trainer import FeatureDrafterTrainer
     from hf_blockwise.training.nar_trainer import NARDrafterTrainer
 
-    for trainer_class in (BlockwiseTrainer, FeatureDrafterTrainer, NARDrafterTrainer):
+    for trainer_class in (BlockwiseHeadsTrainer, FeatureDrafterTrainer, NARDrafterTrainer):
         for name in ("_save", "_load_from_checkpoint", "_load_best_model"):
             owner = next(klass for klass in trainer_class.__mro__ if name in vars(klass))
             assert owner is AdapterCheckpointMixin, (trainer_class.__name__, name, owner.__name__)
-    model = BlockwiseHeadsModel(build_model("marian", seed=3), BlockwiseConfig(block_size=3))
-    trainer = BlockwiseTrainer(model=model, args=make_args(tmp_path), train_dataset=copy_task(8, seed=1))
+    model = BlockwiseHeadsModel(build_model("marian", seed=3), BlockwiseHeadsConfig(block_size=3))
+    trainer = BlockwiseHeadsTrainer(model=model, args=make_args(tmp_path), train_dataset=copy_task(8, seed=1))
     # DeepSpeed ZeRO 1/2 hand over a gathered state_dict while every process holds whole weights: saved as usual
     trainer._save(str(tmp_path / "zero2"), state_dict=model.state_dict())
     assert BlockwiseHeadsModel.from_pretrained(tmp_path / "zero2", base_model=build_model("marian", seed=3))

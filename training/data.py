@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import gzip
 import itertools
 import json
 import os
@@ -20,6 +19,8 @@ from pathlib import Path
 
 from datasets import Dataset, load_dataset
 from transformers import PreTrainedTokenizerBase
+
+from hf_blockwise.text_files import open_text, read_lines
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from synthetic_errors import synthetic_pairs
@@ -59,30 +60,12 @@ def clean_text(line: str) -> str:
     return " ".join(line.split())
 
 
-def _read_gz_lines(path: Path) -> list[str]:
-    """Read a gzip text file into a list of cleaned lines (trailing empty line dropped)."""
-    with gzip.open(path, "rt", encoding="utf-8") as fh:
-        lines = fh.read().split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    return [clean_text(line) for line in lines]
-
-
-def read_lines(path: Path) -> list[str]:
-    """Every line of a plain or gzip (``.gz``) text file, cleaned; empty lines are kept, so that the lines of
-    two files of a parallel set stay aligned."""
-    if path.suffix == ".gz":
-        return _read_gz_lines(path)
-    return [clean_text(line) for line in path.read_text(encoding="utf-8").splitlines()]
-
-
 def read_texts(path: Path, kind: str) -> Iterator[str]:
     """One English text per non-empty line of `path` (plain or gzip), as `kind` (see `CORPORA`) says how to read
     it: ``text`` as it is, ``bible`` without its ``<ASV>`` tag, ``summary`` the field of a JSON line."""
     if not path.is_file():
         raise FileNotFoundError(f"no data file at {path}; see ../shared/data/README.md")
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as handle:
+    with open_text(path) as handle:
         for line in handle:
             if kind == "summary":
                 text = json.loads(line)["summary"]
@@ -102,8 +85,8 @@ def read_texts(path: Path, kind: str) -> Iterator[str]:
 
 def _read_local_split(data_dir: Path, prefix: str) -> Pairs:
     """Read one parallel split ``{prefix}.en.gz`` / ``{prefix}.de.gz`` from a local folder."""
-    en = _read_gz_lines(data_dir / f"{prefix}.en.gz")
-    de = _read_gz_lines(data_dir / f"{prefix}.de.gz")
+    en = read_lines(data_dir / f"{prefix}.en.gz")
+    de = read_lines(data_dir / f"{prefix}.de.gz")
     if len(en) != len(de):
         raise ValueError(f"{prefix}: {len(en)} English vs {len(de)} German lines")
     return en, de

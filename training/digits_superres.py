@@ -8,7 +8,7 @@ per intensity, so the token→value map of `DistanceAcceptance` is just "token i
 What it does:
 
 1. Trains a small Marian-style base (d 128, 2+2 layers) on the first 1,500 images.
-2. Trains k = 4 proposal heads on it (base frozen) on its own greedy outputs, with `BlockwiseTrainer`.
+2. Trains k = 4 proposal heads on it (base frozen) on its own greedy outputs, with `BlockwiseHeadsTrainer`.
 3. On the remaining 297 images, decodes greedily and blockwise with exact acceptance and with distance-based
    acceptance for ε ∈ {1, 2, 3}: mean accepted block, decoder calls, mean absolute pixel error against the
    true image and the share of pixels equal to greedy's. Writes ``docs/digits_distance.md`` and
@@ -35,11 +35,11 @@ import torch
 from datasets import Dataset
 from transformers import MarianConfig, MarianMTModel
 
-from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, DistanceAcceptance, ExactAcceptance
+from hf_blockwise import BlockwiseHeadsConfig, BlockwiseHeadsModel, DistanceAcceptance, ExactAcceptance
 from hf_blockwise.serialization import atomic_write_text
-from hf_blockwise.tools.arguments import parse_dataclass_args
-from hf_blockwise.training.blockwise_config import BlockwiseTrainingArguments
-from hf_blockwise.training.blockwise_trainer import BlockwiseTrainer
+from hf_blockwise.training.arguments import parse_dataclass_args
+from hf_blockwise.training.heads_config import BlockwiseHeadsTrainingArguments
+from hf_blockwise.training.heads_trainer import BlockwiseHeadsTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from recipe_common import atomic_write_json
@@ -126,13 +126,13 @@ def greedy(model: MarianMTModel, sources: torch.Tensor) -> torch.Tensor:
 def train_heads(base: MarianMTModel, sources: torch.Tensor, out: str, epochs: int) -> BlockwiseHeadsModel:
     distilled = greedy(base, sources)  # frozen base: the heads learn to predict its own greedy output
     data = Dataset.from_dict({"input_ids": with_eos(sources).tolist(), "labels": with_eos(distilled).tolist()})
-    model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=4, head_hidden_size=256))
-    args = BlockwiseTrainingArguments(
+    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=4, head_hidden_size=256))
+    args = BlockwiseHeadsTrainingArguments(
         output_dir=os.path.join(out, "heads-run"), per_device_train_batch_size=50, num_train_epochs=epochs,
         learning_rate=2e-3, warmup_steps=30, logging_steps=60, save_strategy="no", report_to=[], use_cpu=True,
         seed=0, disable_tqdm=True,
     )  # fmt: skip
-    BlockwiseTrainer(model=model, args=args, train_dataset=data).train()
+    BlockwiseHeadsTrainer(model=model, args=args, train_dataset=data).train()
     return model.eval()
 
 

@@ -37,7 +37,7 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 from hf_blockwise.serialization import atomic_write_text
-from hf_blockwise.tools.arguments import parse_dataclass_args
+from hf_blockwise.training.arguments import parse_dataclass_args
 from hf_blockwise.training.distill import distill_texts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -6,7 +6,7 @@
 - resuming: the saved state of a custom training loop (`Progress`, `save_state`, `load_state`) and the newest
   checkpoint of a `Trainer` run (`last_checkpoint`), with the `TrainingArguments` every `Trainer`-based recipe
   sets the same way (`trainer_arguments`);
-- shipping: a model in fp16 with its tokenizer (`ship_model`), a drafter inside its base's folder
+- shipping: a model in fp16 with its tokenizer (`ship_model`, `save_shipped_model`), a drafter inside its base's folder
   (`ship_drafter`), and the model card beside them (`write_model_card`).
 """
 
@@ -27,11 +27,33 @@ from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging as hf_logging
 
 from hf_blockwise import BlockwiseHeadsModel
-from hf_blockwise.boundary import save_shipped_model
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
 from hf_blockwise.serialization import atomic_write, atomic_write_text
 
 ArgumentsT = TypeVar("ArgumentsT", bound=TrainingArguments)
+
+
+def save_shipped_model(model: PreTrainedModel, directory: str | os.PathLike) -> None:
+    """Saves a model to ship in the repository: fp16 weights (half the size), a config that makes plain
+    `from_pretrained` load it as float32 (fp16 is slow and erratic on CPUs), and a generation config that limits
+    new tokens rather than the total length, so that `generate(max_new_tokens=...)` warns about nothing."""
+    model.to(torch.float16).save_pretrained(directory)
+    model.to(torch.float32)
+    config_path = os.path.join(directory, "config.json")
+    with open(config_path, encoding="utf-8") as handle:
+        config = json.load(handle)
+    config["dtype"] = "float32"
+    # a model saved after training says use_cache false; generate then still caches, but a user's plain forward
+    # (and anything that reads the config) would not
+    config["use_cache"] = True
+    atomic_write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    generation_path = os.path.join(directory, "generation_config.json")
+    if os.path.isfile(generation_path):
+        with open(generation_path, encoding="utf-8") as handle:
+            generation = json.load(handle)
+        if "max_length" in generation:
+            generation["max_new_tokens"] = generation.pop("max_length")
+        atomic_write_text(generation_path, json.dumps(generation, indent=2, sort_keys=True) + "\n")
 
 
 def set_seed(seed: int) -> None:

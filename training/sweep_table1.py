@@ -45,7 +45,7 @@ from transformers.utils import logging as transformers_logging
 from hf_blockwise import BlockwiseHeadsModel
 from hf_blockwise.evaluation import compare_to_greedy
 from hf_blockwise.serialization import atomic_write_text
-from hf_blockwise.tools.arguments import parse_dataclass_args
+from hf_blockwise.training.arguments import parse_dataclass_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_heads

@@ -329,45 +329,59 @@ def run_training(
         save_state(state_path, model, optimizer, scheduler, progress, log)
 
     while progress.epoch < flags.epochs and not _done(progress, flags):
-        t0 = time.perf_counter()
         # this epoch's batches, the same on every run (seeded by seed and epoch), so that a resumed run skips
         # exactly the batches already trained on
         batches = make_batches(train_examples, flags.max_tokens, seed=flags.seed * 1000 + progress.epoch)
-        bar = tqdm(
-            batches[progress.batch_in_epoch :],
-            total=len(batches),
-            initial=progress.batch_in_epoch,
-            desc=f"epoch {progress.epoch + 1}/{flags.epochs}",
-            dynamic_ncols=True,
-        )
-        for idx in bar:
-            step_start = time.perf_counter()
-            batch = collate([train_examples[i] for i in idx], model)
-            loss_sum, n_tokens = train_step(
-                model, optimizer, scheduler, batch, flags.label_smoothing, flags.clip_norm, flags.bf16
-            )
-            progress.step += 1
-            progress.batch_in_epoch += 1
-            progress.epoch_loss_sum += loss_sum
-            progress.epoch_tokens += n_tokens
-            tok_s = n_tokens / max(1e-9, time.perf_counter() - step_start)
-            bar.set_postfix(
-                loss=f"{loss_sum / max(1, n_tokens):.3f}",
-                tok_s=f"{tok_s:.0f}",
-                lr=f"{scheduler.get_last_lr()[0]:.2e}",
-            )
-            if _done(progress, flags) or progress.step % flags.save_every == 0:
-                progress.train_seconds += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                checkpoint()
-            if _done(progress, flags):
-                break
-        bar.close()
-        progress.train_seconds += time.perf_counter() - t0
+        _train_batches(model, optimizer, scheduler, train_examples, batches, progress, flags, checkpoint)
         if progress.batch_in_epoch >= len(batches):
             _finish_epoch(progress, log, evaluate)
             checkpoint()
     return progress, log
+
+
+def _train_batches(
+    model: MarianMTModel,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    train_examples: Sequence[Example],
+    batches: list,
+    progress: Progress,
+    flags: LoopFlags,
+    checkpoint: Callable[[], None],
+) -> None:
+    """One training step per batch of the epoch from ``progress.batch_in_epoch`` on, under a progress bar, until
+    the epoch or ``flags.max_steps`` ends; ``checkpoint()`` every ``flags.save_every`` steps and at the end, with
+    the training time counted into ``progress``."""
+    t0 = time.perf_counter()
+    bar = tqdm(
+        batches[progress.batch_in_epoch :],
+        total=len(batches),
+        initial=progress.batch_in_epoch,
+        desc=f"epoch {progress.epoch + 1}/{flags.epochs}",
+        dynamic_ncols=True,
+    )
+    for idx in bar:
+        step_start = time.perf_counter()
+        batch = collate([train_examples[i] for i in idx], model)
+        loss_sum, n_tokens = train_step(
+            model, optimizer, scheduler, batch, flags.label_smoothing, flags.clip_norm, flags.bf16
+        )
+        progress.step += 1
+        progress.batch_in_epoch += 1
+        progress.epoch_loss_sum += loss_sum
+        progress.epoch_tokens += n_tokens
+        tok_s = n_tokens / max(1e-9, time.perf_counter() - step_start)
+        bar.set_postfix(
+            loss=f"{loss_sum / max(1, n_tokens):.3f}", tok_s=f"{tok_s:.0f}", lr=f"{scheduler.get_last_lr()[0]:.2e}"
+        )
+        if _done(progress, flags) or progress.step % flags.save_every == 0:
+            progress.train_seconds += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            checkpoint()
+        if _done(progress, flags):
+            break
+    bar.close()
+    progress.train_seconds += time.perf_counter() - t0
 
 
 def _done(progress: Progress, flags: LoopFlags) -> bool:

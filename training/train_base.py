@@ -65,7 +65,7 @@ import sacrebleu
 import torch
 from transformers import GenerationConfig, MarianConfig, MarianMTModel, PreTrainedTokenizerFast
 
-from hf_blockwise.tools.arguments import parse_dataclass_args
+from hf_blockwise.training.arguments import parse_dataclass_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import (

@@ -1,4 +1,4 @@
-"""Train proposal heads on a frozen Multi30k en→de base with `BlockwiseTrainer`, and optionally ship them.
+"""Train proposal heads on a frozen Multi30k en→de base with `BlockwiseHeadsTrainer`, and optionally ship them.
 
 What it does:
 
@@ -48,12 +48,12 @@ import torch
 from accelerate import PartialState
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel, frequent_tokens
+from hf_blockwise import BlockwiseHeadsConfig, BlockwiseHeadsModel, frequent_tokens
 from hf_blockwise.evaluation import compare_to_greedy
-from hf_blockwise.tools.arguments import parse_dataclass_args
-from hf_blockwise.training.blockwise_config import BlockwiseTrainingArguments
-from hf_blockwise.training.blockwise_trainer import BlockwiseTrainer
+from hf_blockwise.training.arguments import parse_dataclass_args
 from hf_blockwise.training.distill import distill_texts
+from hf_blockwise.training.heads_config import BlockwiseHeadsTrainingArguments
+from hf_blockwise.training.heads_trainer import BlockwiseHeadsTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import MULTI30K_DIR, encode_dataset, load_distilled, load_multi30k
@@ -214,7 +214,7 @@ def train(args: TrainHeadsArguments):
         targets = references
     train_dataset = encode_dataset(tokenizer, sources, targets)
 
-    config = BlockwiseConfig(
+    config = BlockwiseHeadsConfig(
         block_size=args.block_size,
         head_hidden_size=args.head_hidden_size,
         condition_on_token=args.condition_on_token,
@@ -223,7 +223,7 @@ def train(args: TrainHeadsArguments):
     )
     model = BlockwiseHeadsModel(base, config)
     training_args = trainer_arguments(
-        BlockwiseTrainingArguments,
+        BlockwiseHeadsTrainingArguments,
         args,
         base_training=args.base_training,
         lora_target_modules=["q_proj", "v_proj"] if args.base_training == "lora" else None,
@@ -232,7 +232,9 @@ def train(args: TrainHeadsArguments):
         save_steps=100,
         bf16=args.bf16,
     )
-    trainer = BlockwiseTrainer(model=model, args=training_args, train_dataset=train_dataset, processing_class=tokenizer)
+    trainer = BlockwiseHeadsTrainer(
+        model=model, args=training_args, train_dataset=train_dataset, processing_class=tokenizer
+    )
     trainer.train(resume_from_checkpoint=last_checkpoint(args.out))
     if args.shortlist:
         # verification keeps the whole vocabulary, so this only drops proposals of rare tokens

@@ -43,7 +43,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, TrainerCallback
 from hf_blockwise.evaluation import compare_to_greedy
 from hf_blockwise.modeling.nar_model import NARDrafterModel
 from hf_blockwise.serialization import atomic_write_text
-from hf_blockwise.tools.arguments import parse_dataclass_args
+from hf_blockwise.training.arguments import parse_dataclass_args
 from hf_blockwise.training.distill import distill_texts
 from hf_blockwise.training.nar_config import NARDrafterTrainingArguments
 from hf_blockwise.training.nar_trainer import NARDrafterTrainer

@@ -64,15 +64,15 @@ from transformers import (
 from transformers.models.whisper.tokenization_whisper import LANGUAGES
 from transformers.trainer_utils import get_last_checkpoint
 
-from hf_blockwise.boundary import save_shipped_model
+from hf_blockwise.audio import write_wav
 from hf_blockwise.evaluation.scores import word_error_rate
 from hf_blockwise.serialization import atomic_write_text
-from hf_blockwise.tools.arguments import parse_dataclass_args
-from hf_blockwise.tools.audio import write_wav
+from hf_blockwise.training.arguments import parse_dataclass_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import CORPORA, read_texts
 from data import DATA_ROOT as DEFAULT_DATA_DIR
+from recipe_common import save_shipped_model
 from speech_data import (
     DEV_FILES,
     HELDOUT_VARIANTS,
@@ -381,23 +381,27 @@ def ship(
     atomic_write_text(target / "README.md", card)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point: sentences → speech → tokenizer → model → train (with resume) → held-out WER → ship."""
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    started = time.time()
-    out = Path(args.out)
-    (out / "speech").mkdir(parents=True, exist_ok=True)
+def synthesize_speech(args: TrainSpeechArguments, folder: Path) -> tuple[SpeechSplit, SpeechSplit]:
+    """The training and held-out utterances synthesized into `folder` (resumable), as splits."""
+    folder.mkdir(parents=True, exist_ok=True)
     train_texts, heldout_texts = pick_sentences(args)
     max_seconds = args.window_seconds - 0.5
     for split, texts, variants, seed in (
         ("train", train_texts, TRAIN_VARIANTS, args.seed),
         ("heldout", heldout_texts, HELDOUT_VARIANTS, args.seed + 1),
     ):
-        kept = synthesize_split(out / "speech", split, plan_utterances(texts, variants, seed), max_seconds)
+        kept = synthesize_split(folder, split, plan_utterances(texts, variants, seed), max_seconds)
         print(f"{split}: {kept} utterances (of {len(texts)} sentences)")
-    train, heldout = SpeechSplit(out / "speech", "train"), SpeechSplit(out / "speech", "heldout")
+    return SpeechSplit(folder, "train"), SpeechSplit(folder, "heldout")
 
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point: sentences → speech → tokenizer → model → train (with resume) → held-out WER → ship."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    started = time.time()
+    out = Path(args.out)
+    train, heldout = synthesize_speech(args, out / "speech")
     tokenizer = build_tokenizer([utterance.text for utterance in train.utterances], args.vocab_size, out / "processor")
     feature_extractor = WhisperFeatureExtractor(
         feature_size=80, sampling_rate=SAMPLING_RATE, hop_length=args.hop_length, chunk_length=args.window_seconds

@@ -40,7 +40,7 @@ from hf_blockwise.evaluation.harness import DecoderCallCounter
 from hf_blockwise.modeling.config import FeatureDrafterConfig
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
 from hf_blockwise.modeling.shortlist import frequent_tokens
-from hf_blockwise.tools.arguments import parse_dataclass_args
+from hf_blockwise.training.arguments import parse_dataclass_args
 from hf_blockwise.training.feature_config import FeatureDrafterTrainingArguments
 from hf_blockwise.training.feature_trainer import FeatureDrafterTrainer
 

@@ -21,8 +21,7 @@ Modules, each importing only those listed before it (and none of them this packa
 - `media`: speech and vision specifics: the encoder-output mask, the probe for decoders that read no frame mask
   (Whisper), and the Whisper segment options that blockwise decoding refuses.
 - `inputs`: position limits and the input checks that turn deep failures into clear errors.
-- `hub`: checkpoint files and local-path checks, an adapter's recorded base, `load_encoder_decoder`,
-  `save_shipped_model`.
+- `hub`: checkpoint files and local-path checks, an adapter's recorded base, `load_encoder_decoder`.
 - `generate_call`: the `custom_generate` calling convention: `adapt_generate_call` (validation, `GenerateCall`),
   the decoder forward's kwargs and their row selection, the streamer lookup, `BlockwiseGenerateOutput`.
 - `trainer`: what the trainers take from transformers' `Trainer` (`TRAINING_ARGS_NAME`); not re-exported here,
@@ -69,7 +68,6 @@ from hf_blockwise.boundary.hub import (
     resolve_file,
     resolved_base_location,
     same_fingerprint,
-    save_shipped_model,
     warn_if_other_base,
 )
 from hf_blockwise.boundary.inputs import (
@@ -180,7 +178,6 @@ __all__ = [
     "resolve_file",
     "resolved_base_location",
     "same_fingerprint",
-    "save_shipped_model",
     "select_cache_rows",
     "select_forward_rows",
     "shortlist_projection",

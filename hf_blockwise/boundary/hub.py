@@ -3,13 +3,11 @@
 A checkpoint's files ([`has_file`], [`resolve_file`]) and a clear error for local-looking paths that do not exist
 ([`check_local_path`]); where an adapter's (heads', drafter's) recorded base is, and the base it attaches to
 ([`base_location`], [`resolved_base_location`], [`warn_if_other_base`] by [`base_weights_fingerprint`],
-[`adapter_base`]); the auto class that loads an encoder-decoder checkpoint ([`load_encoder_decoder`]); and the
-format of the models shipped in the repository ([`save_shipped_model`]).
+[`adapter_base`]); and the auto class that loads an encoder-decoder checkpoint ([`load_encoder_decoder`]).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from typing import Any
@@ -30,7 +28,6 @@ from transformers.models.auto.modeling_auto import (
 from transformers.utils import cached_file
 
 from hf_blockwise.boundary.models import unwrap_base
-from hf_blockwise.serialization import atomic_write_text
 
 
 def has_file(name_or_path: str | os.PathLike, filename: str) -> bool:
@@ -231,26 +228,3 @@ def load_encoder_decoder(location: str | os.PathLike, **kwargs: Any) -> PreTrain
     if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return AutoModelForImageTextToText.from_pretrained(location, **kwargs)
     return AutoModelForSeq2SeqLM.from_pretrained(location, **kwargs)
-
-
-def save_shipped_model(model: PreTrainedModel, directory: str | os.PathLike) -> None:
-    """Saves a model to ship in the repository: fp16 weights (half the size), a config that makes plain
-    `from_pretrained` load it as float32 (fp16 is slow and erratic on CPUs), and a generation config that limits
-    new tokens rather than the total length, so that `generate(max_new_tokens=...)` warns about nothing."""
-    model.to(torch.float16).save_pretrained(directory)
-    model.to(torch.float32)
-    config_path = os.path.join(directory, "config.json")
-    with open(config_path, encoding="utf-8") as handle:
-        config = json.load(handle)
-    config["dtype"] = "float32"
-    # a model saved after training says use_cache false; generate then still caches, but a user's plain forward
-    # (and anything that reads the config) would not
-    config["use_cache"] = True
-    atomic_write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
-    generation_path = os.path.join(directory, "generation_config.json")
-    if os.path.isfile(generation_path):
-        with open(generation_path, encoding="utf-8") as handle:
-            generation = json.load(handle)
-        if "max_length" in generation:
-            generation["max_new_tokens"] = generation.pop("max_length")
-        atomic_write_text(generation_path, json.dumps(generation, indent=2, sort_keys=True) + "\n")

@@ -94,7 +94,7 @@ def check_wrap_arguments(wrapper: str, base_model: Any, config: Any, config_clas
 
     Args:
         wrapper (`str`): the wrapper's class name, e.g. `"BlockwiseHeadsModel"`.
-        config_class (`type`): the config dataclass the wrapper takes, e.g. `BlockwiseConfig`.
+        config_class (`type`): the config dataclass the wrapper takes, e.g. `BlockwiseHeadsConfig`.
     """
     if isinstance(base_model, (str, os.PathLike)):
         raise TypeError(
@@ -173,7 +173,7 @@ def decoder_ffn_width(config: Any) -> int:
             return value
     raise ValueError(
         f"Cannot tell the decoder feed-forward width of a {type(config).__name__}; set "
-        "BlockwiseConfig(head_hidden_size=...) explicitly"
+        "BlockwiseHeadsConfig(head_hidden_size=...) explicitly"
     )
 
 

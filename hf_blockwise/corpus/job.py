@@ -41,9 +41,10 @@ from hf_blockwise.corpus.paths import (
     model_identity,
 )
 from hf_blockwise.corpus.planning import chunks_of_shard, plan_batches
-from hf_blockwise.corpus.sources import fingerprint, read_sources
+from hf_blockwise.corpus.sources import read_sources, texts_sha256
 from hf_blockwise.drafters.base import Drafter
 from hf_blockwise.generation.loop import blockwise_generate
+from hf_blockwise.loading import DRAFTERS as REGISTERED_DRAFTERS
 from hf_blockwise.loading import (
     LoadedModel,
     build_drafter,
@@ -56,7 +57,9 @@ from hf_blockwise.modeling.feature_model import FeatureDrafterModel
 from hf_blockwise.modeling.model import BlockwiseHeadsModel
 from hf_blockwise.modeling.quantization import float_state_dict
 
-DRAFTERS = ("auto", "none", "heads", "feature", "input_copy", "composite")
+# the job's drafter names: `auto` (the fastest exact choice, [`choose_drafter`]), `none`, and the registry's drafters
+# offered for corpora ([`hf_blockwise.loading.DRAFTERS`])
+DRAFTERS = ("auto", "none", *(name for name, kind in REGISTERED_DRAFTERS.items() if kind.corpus))
 OUTPUT_FORMATS = ("text", "jsonl")
 # generate arguments the job sets itself: given again in `generate_kwargs`, they would clash
 JOB_GENERATE_ARGUMENTS = ("custom_generate", "assistant", "blockwise_compile", "return_dict_in_generate")
@@ -443,7 +446,7 @@ def make_job(
     loaded.to(state.device)
     chosen = choose_drafter(options.drafter, loaded, options.batch_size)
     settings = CorpusSettings(
-        model=model, drafter=chosen, input=description, input_sha256=fingerprint(texts), num_lines=len(texts),
+        model=model, drafter=chosen, input=description, input_sha256=texts_sha256(texts), num_lines=len(texts),
         generate_kwargs=dict(options.generate_kwargs), generation_config=generation_defaults(loaded.base),
         batch_size=options.batch_size, max_batch_tokens=options.max_batch_tokens, chunk_size=options.chunk_size,
         output_format=options.output_format, stats=options.stats, on_long=options.on_long, compile=options.compile,

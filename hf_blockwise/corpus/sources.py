@@ -3,7 +3,6 @@ wrong (a missing column, an empty input, a non-string entry)."""
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
@@ -14,6 +13,7 @@ from typing import Any
 import datasets
 
 from hf_blockwise import boundary as hf
+from hf_blockwise.text_files import open_text
 
 DATASET_FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".json": "json", ".arrow": "arrow"}
 
@@ -47,8 +47,7 @@ def read_sources(source: str | Sequence[str] | datasets.Dataset, column: str | N
     if os.path.isfile(path):
         if column is not None:
             raise ValueError(f"{path} is a text file (one source per line): it has no column {column!r}")
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as handle:
+        with open_text(path) as handle:
             return _checked_texts(handle.read().splitlines(), path)
     if os.path.isdir(path) and _is_saved_dataset(path):
         return _dataset_column(_pick_split(datasets.load_from_disk(path), split, path), column, path)
@@ -94,9 +93,8 @@ def _dataset_column(dataset: datasets.Dataset, column: str | None, where: str) -
 def _jsonl_column(path: str, column: str | None) -> list[str]:
     if column is None:
         raise ValueError(f"{path} is JSONL: name the field holding the sources with --column / column=")
-    opener = gzip.open if path.endswith(".gz") else open
     texts = []
-    with opener(path, "rt", encoding="utf-8") as handle:
+    with open_text(path) as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
@@ -120,7 +118,7 @@ def _checked_texts(texts: Sequence[Any], where: str) -> list[str]:
     return list(texts)
 
 
-def fingerprint(texts: Sequence[str]) -> str:
+def texts_sha256(texts: Sequence[str]) -> str:
     """SHA-256 of the sources, one per line: identifies the input a progress file belongs to."""
     digest = hashlib.sha256()
     for text in texts:

@@ -1,7 +1,7 @@
 """One measurement harness: these modes on these batches — time them, compare them with a reference mode, score them.
 
 Every loop of this package that times or compares decoding runs through [`measure`]: the benchmark
-(`tools/bench/`), [`compare_to_greedy`] (`evaluation/compare.py`), `hf-blockwise demo` (`tools/cli.py`) and the
+(`tools/bench/`), [`compare_to_greedy`] (`evaluation/compare.py`), `hf-blockwise demo` (`tools/cli/demo.py`) and the
 trainers' evaluation decode (`training/common.py`). And one function, [`same_output`], says when two outputs are
 identical: their *generated* tokens are equal, i.e. position 0 (the decoder start token, which is not generated
 and is the pad token in Marian and T5) and every pad token are left out before comparing.

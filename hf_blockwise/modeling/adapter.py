@@ -62,7 +62,7 @@ def load_adapter_config(
 
     Args:
         adapter_name_or_path: local directory or hub repository holding the adapter.
-        config_class: the config dataclass ([`BlockwiseConfig`], [`FeatureDrafterConfig`]); read from its
+        config_class: the config dataclass ([`BlockwiseHeadsConfig`], [`FeatureDrafterConfig`]); read from its
             `file_name`.
         base_model (`nn.Module`, *optional*): the base to attach to; by default the one the config names, loaded
             with `base_model_kwargs` ([`adapter_base`]).

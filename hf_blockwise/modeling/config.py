@@ -1,9 +1,10 @@
-"""`BlockwiseConfig`: the validated, JSON-serialisable description of a set of proposal heads."""
+"""`BlockwiseHeadsConfig`: the validated, JSON-serialisable description of a set of proposal heads."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from hf_blockwise.serialization import JsonConfigMixin
 
@@ -35,7 +36,7 @@ def check_fingerprint(fingerprint: object) -> None:
 
 
 @dataclass
-class BlockwiseConfig(JsonConfigMixin):
+class BlockwiseHeadsConfig(JsonConfigMixin):
     """Configuration of the proposal heads of a [`BlockwiseHeadsModel`].
 
     Args:
@@ -166,3 +167,18 @@ class FeatureDrafterConfig(JsonConfigMixin):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"{name} must be a string or None, got {value!r}")
+
+
+# names before 0.2, kept for one release: importing one warns and gives the new class
+_RENAMED = {"BlockwiseConfig": "BlockwiseHeadsConfig"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        warnings.warn(
+            f"{name} is now {_RENAMED[name]}; the old name will be removed in the next release",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,7 +20,7 @@ class BlockwiseHeads(nn.Module):
         num_heads (`int`): k − 1.
         shortlist_size (`int`, *optional*): size of the `shortlist` buffer of token ids the heads propose from.
         token_embedding_size (`int`, *optional*): when set, the hidden layer also reads the embedding of the
-            token chosen from each state (`BlockwiseConfig.condition_on_token`).
+            token chosen from each state (`BlockwiseHeadsConfig.condition_on_token`).
     """
 
     def __init__(

@@ -24,7 +24,7 @@ from hf_blockwise.boundary import (
 from hf_blockwise.drafters.base import Drafter
 from hf_blockwise.drafters.heads import HeadsDrafter
 from hf_blockwise.modeling.adapter import AdapterModelMixin, check_base_signature
-from hf_blockwise.modeling.config import BlockwiseConfig
+from hf_blockwise.modeling.config import BlockwiseHeadsConfig
 from hf_blockwise.modeling.heads import BlockwiseHeads, SequentialHeads
 from hf_blockwise.modeling.shortlist import shortlist_ids
 from hf_blockwise.serialization import load_adapter_weights, read_adapter_weights, save_adapter
@@ -71,7 +71,7 @@ def base_signature(base_model: nn.Module) -> dict[str, Any]:
     }
 
 
-def check_heads_fit(config: BlockwiseConfig, base_model: nn.Module) -> None:
+def check_heads_fit(config: BlockwiseHeadsConfig, base_model: nn.Module) -> None:
     """Raises a `ValueError` naming both sides when heads were made for a different kind of base."""
     check_base_signature(
         config,
@@ -91,24 +91,24 @@ class BlockwiseHeadsModel(AdapterModelMixin, BaseModelWrapper):
     Args:
         base_model ([`PreTrainedModel`]): any `AutoModelForSeq2SeqLM` (T5, mT5, BART, mBART, Marian, Pegasus,
             M2M100/NLLB, ...).
-        config ([`BlockwiseConfig`], *optional*): head settings; base-specific fields are filled in here.
+        config ([`BlockwiseHeadsConfig`], *optional*): head settings; base-specific fields are filled in here.
 
     Example:
 
     ```python
     >>> from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
-    >>> from hf_blockwise import BlockwiseConfig, BlockwiseHeadsModel
+    >>> from hf_blockwise import BlockwiseHeadsConfig, BlockwiseHeadsModel
     >>> base = AutoModelForSeq2SeqLM.from_pretrained("Helsinki-NLP/opus-mt-en-de")
-    >>> model = BlockwiseHeadsModel(base, BlockwiseConfig(block_size=4))
+    >>> model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=4))
     >>> out = model.generate(**tokenizer(["A dog runs."], return_tensors="pt"), max_new_tokens=64)
     ```
     """
 
-    config_class = BlockwiseConfig
+    config_class = BlockwiseHeadsConfig
     adapter_name = "proposal heads"
     check_fits = staticmethod(check_heads_fit)
 
-    def __init__(self, base_model: PreTrainedModel, config: BlockwiseConfig | None = None) -> None:
+    def __init__(self, base_model: PreTrainedModel, config: BlockwiseHeadsConfig | None = None) -> None:
         super().__init__()
         self.blockwise_config = self.filled_config(base_model, config)
         self.base_model = base_model
@@ -136,7 +136,7 @@ class BlockwiseHeadsModel(AdapterModelMixin, BaseModelWrapper):
         self.heads.to(device=projection.device, dtype=projection.dtype)
 
     @staticmethod
-    def base_fields(config: BlockwiseConfig, base_model: nn.Module) -> dict[str, Any]:
+    def base_fields(config: BlockwiseHeadsConfig, base_model: nn.Module) -> dict[str, Any]:
         """The base's signature ([`base_signature`]) and the heads' width, by default the decoder's feed-forward
         width."""
         decoder_config = hf.decoder_config(base_model.config)

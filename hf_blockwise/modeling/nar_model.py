@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForSeq2SeqLM, PreTrainedModel
 
 from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.nar import NonAutoregressiveDrafter, check_same_vocabulary
-from hf_blockwise.modeling.config import check_block_size
+from hf_blockwise.modeling.config import check_block_size, check_fingerprint
 from hf_blockwise.modeling.quantization import float_state_dict
 from hf_blockwise.serialization import JsonConfigMixin, atomic_write_text, load_adapter_weights, save_adapter
 
@@ -46,11 +46,15 @@ class NARDrafterConfig(JsonConfigMixin):
         block_size (`int`, defaults to 8): k: tokens per step including the verifier's own, so the drafter
             predicts `block_size - 1` tokens from the prefix and `block_size - 2` masks.
         verifier_name_or_path (`str`, *optional*): the model whose outputs the drafter was trained on.
+        verifier_fingerprint (`list[float]`, *optional*): a few of that verifier's weights
+            ([`boundary.base_weights_fingerprint`]), recorded by a save relative to it, so that loading the drafter
+            onto another verifier warns.
     """
 
     mask_token_id: int
     block_size: int = 8
     verifier_name_or_path: str | None = None
+    verifier_fingerprint: list[float] | None = None
 
     file_name: ClassVar[str] = NAR_CONFIG_NAME
 
@@ -60,6 +64,7 @@ class NARDrafterConfig(JsonConfigMixin):
             raise ValueError(f"mask_token_id must be a non-negative int, got {self.mask_token_id!r}")
         if self.verifier_name_or_path is not None and not isinstance(self.verifier_name_or_path, str):
             raise ValueError(f"verifier_name_or_path must be a string or None, got {self.verifier_name_or_path!r}")
+        check_fingerprint(self.verifier_fingerprint)
 
 
 class NARDrafterModel(nn.Module):
@@ -162,6 +167,7 @@ class NARDrafterModel(nn.Module):
             model = self.model if dtype is None else copy.deepcopy(self.model).to(dtype)
             save_adapter(save_directory, config, write_beside=[model.save_pretrained])
             return
+        config = dataclasses.replace(config, verifier_fingerprint=hf.base_weights_fingerprint(relative_to))
         write_model_config = functools.partial(_write_model_config, self.model.config.to_json_string())
         save_adapter(
             save_directory, config, CHANGED_WEIGHTS_NAME, _changed_weights(self.model, relative_to), dtype,
@@ -205,6 +211,9 @@ class NARDrafterModel(nn.Module):
             return cls(model, config)
         if verifier is None:
             verifier = _recorded_verifier(name_or_path, config, model_kwargs)
+        else:
+            location = hf.resolved_base_location(name_or_path, config.verifier_name_or_path, required=False)
+            hf.warn_if_other_base(location, hf.unwrap_base(verifier), "drafter weights", config.verifier_fingerprint)
         base = hf.unwrap_base(verifier)
         nar = cls(AutoModelForSeq2SeqLM.from_config(AutoConfig.from_pretrained(name_or_path)), config)
         nar.load_weights(name_or_path, verifier=base)

@@ -30,6 +30,7 @@ every timing from the measurement harness ([`hf_blockwise.evaluation.harness`]).
 
 from hf_blockwise.tools.bench.cost_curve import block_widths, decoder_cost_curve, set_speedup_ceilings, speedup_ceiling
 from hf_blockwise.tools.bench.modes import (
+    ALL_MODES,
     COMPILED_MODES,
     DEFAULT_MODES,
     DEFAULT_ORACLE_BLOCK_SIZES,
@@ -42,9 +43,10 @@ from hf_blockwise.tools.bench.modes import (
 from hf_blockwise.tools.bench.report import markdown_table, mode_colours, plot, plot_cost_curve, write_report
 from hf_blockwise.tools.bench.run import available_modes, run_bench
 from hf_blockwise.tools.bench.runners import compile_modes, mode_runner
-from hf_blockwise.tools.bench.setup import BenchSetup, make_batches, read_lines, usable_batch_sizes
+from hf_blockwise.tools.bench.setup import BenchSetup, make_batches, usable_batch_sizes
 
 __all__ = [
+    "ALL_MODES",
     "COMPILED_MODES",
     "DEFAULT_MODES",
     "DEFAULT_ORACLE_BLOCK_SIZES",
@@ -64,7 +66,6 @@ __all__ = [
     "mode_runner",
     "plot",
     "plot_cost_curve",
-    "read_lines",
     "run_bench",
     "set_speedup_ceilings",
     "speedup_ceiling",

@@ -11,32 +11,38 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from hf_blockwise.loading import DRAFTERS
+
 COMPILED_SUFFIX = "_compiled"
-# The compiled engine (`blockwise_compile=True`): `greedy_compiled` is the loop with no drafter through it, the
-# exact reference of every other `*_compiled` mode; `hf_greedy_compiled` is transformers' own greedy with a static
-# cache and a compiled forward, as a user would set it up.
-COMPILED_MODES = (
-    "greedy_compiled", "oracle_compiled", "heads_compiled", "seq_heads_compiled", "feature_compiled", "iad_compiled",
-    "composite_compiled", "gad_compiled", "hf_greedy_compiled", "greedy_int8_compiled", "heads_int8_compiled",
-    "feature_int8_compiled", "feature_int8d_compiled",
-)  # fmt: skip
-# int8 dynamically quantized torch models, exact with respect to the int8 model's greedy (`greedy_int8`; compiled:
-# the engine's int8 greedy `greedy_int8_compiled`)
-INT8_MODES = ("greedy_int8", "heads_int8", "iad_int8", "feature_int8")
+# the variants a family may come in: eager float32, on the int8 model (for `ct2`: CTranslate2's int8 compute
+# type), through the compiled engine (`blockwise_compile=True`), and both
+_EAGER, _INT8, _COMPILED, _INT8_COMPILED = "", "_int8", COMPILED_SUFFIX, "_int8" + COMPILED_SUFFIX
+_EVERY_VARIANT = (_EAGER, _INT8, _COMPILED, _INT8_COMPILED)
 # the float32 model drafted by its feature drafter with the drafter's layer in int8: exact w.r.t. float32 greedy
 INT8_DRAFTER_FAMILY = "feature_int8d"
-MODE_NAMES = (
-    "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_full_vocab", "heads_top2", "seq_heads", "feature",
-    "composite", "iad", "iad_realign", "gad", "gad_pp", *INT8_MODES, INT8_DRAFTER_FAMILY, "loop", "oracle", "ct2",
-    "ct2_int8",
-    *COMPILED_MODES,
-)  # fmt: skip
+# Every family and the variants it has; the mode names are generated from them. `greedy_compiled` is the loop with
+# no drafter through the engine, the exact reference of every other `*_compiled` mode (and `greedy_int8_compiled`
+# of the compiled int8 ones: the int8 model's greedy output); `hf_greedy_compiled` is transformers' own greedy
+# with a static cache and a compiled forward, as a user would set it up.
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "greedy": _EVERY_VARIANT, "beam4": (_EAGER,), "prompt_lookup": (_EAGER,), "assisted": (_EAGER,),
+    "hf_greedy": (_COMPILED,), "heads": _EVERY_VARIANT, "heads_full_vocab": (_EAGER,), "heads_top2": (_EAGER,),
+    "seq_heads": (_EAGER, _COMPILED), "feature": _EVERY_VARIANT, INT8_DRAFTER_FAMILY: (_EAGER, _COMPILED),
+    "composite": (_EAGER, _COMPILED), "iad": (_EAGER, _INT8, _COMPILED), "iad_realign": (_EAGER,),
+    "gad": (_EAGER, _COMPILED), "gad_pp": (_EAGER,), "loop": (_EAGER,), "oracle": (_EAGER, _COMPILED),
+    "ct2": (_EAGER, _INT8),
+}  # fmt: skip
+MODE_NAMES = tuple(family + variant for family, variants in FAMILIES.items() for variant in variants)
+COMPILED_MODES = tuple(name for name in MODE_NAMES if name.endswith(COMPILED_SUFFIX))
+INT8_MODES = tuple(name for name in MODE_NAMES if name.removesuffix(COMPILED_SUFFIX).endswith(_INT8))
+# What a run shows unless told otherwise: the references (transformers' greedy, the engine's float32 and int8
+# greedy), CTranslate2, the fastest exact modes the README recommends, and the oracle (the ceiling of any drafter);
+# `--modes all` runs every mode
 DEFAULT_MODES = (
-    "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_top2", "seq_heads", "feature", "composite", "iad",
-    "gad", "gad_pp", "loop", "oracle", "greedy_compiled", "oracle_compiled", "heads_compiled", "seq_heads_compiled",
-    "feature_compiled", "iad_compiled", "composite_compiled", "hf_greedy_compiled", "greedy_int8",
-    "greedy_int8_compiled", "feature_int8_compiled", "ct2", "ct2_int8",
+    "greedy", "greedy_compiled", "greedy_int8_compiled", "heads_compiled", "feature_compiled", "composite_compiled",
+    "feature_int8_compiled", "oracle_compiled", "ct2", "ct2_int8",
 )  # fmt: skip
+ALL_MODES = "all"
 # The CPU fast path, step by step (Devlin 2017, Table 1): blockwise heads drafting over the whole vocabulary,
 # + the heads' vocabulary shortlist, + int8 matrix products (with int8 greedy as that step's exact reference).
 FAST_PATH_MODES = ("greedy", "heads_full_vocab", "heads", "greedy_int8", "heads_int8")
@@ -49,12 +55,8 @@ REFERENCE_MODES = ("greedy", "greedy_int8", "greedy_compiled", "greedy_int8_comp
 _ORACLE = re.compile(r"oracle_k(\d+)")
 # a model drafter at another block size k and (feature drafter) draft threshold: `feature_k6_t0.3`, `heads_k3`
 _SIZED = re.compile(r"(heads|seq_heads|feature)_k(\d+)(?:_t([0-9.]+))?|feature_t([0-9.]+)")
-# the drafter ([`hf_blockwise.loading.build_drafter`]) of each drafting family
-_DRAFTERS = {
-    "heads": "heads", "heads_full_vocab": "heads", "heads_top2": "heads", "seq_heads": "seq_heads",
-    "feature": "feature", INT8_DRAFTER_FAMILY: "feature", "composite": "composite", "iad": "input_copy",
-    "iad_realign": "input_copy", "gad": "nar", "gad_pp": "nar",
-}  # fmt: skip
+# the drafter ([`hf_blockwise.loading.build_drafter`]) of each drafting family, from the one registry of drafters
+_DRAFTERS = {family: kind.name for kind in DRAFTERS.values() for family in kind.bench_families}
 _BATCH_ONE_ONLY = ("prompt_lookup", "assisted")  # transformers' assisted generation decodes one row at a time
 _CT2_COMPUTE_TYPES = {False: "float32", True: "int8"}
 

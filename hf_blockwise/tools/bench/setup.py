@@ -3,7 +3,6 @@ sources read and cut into padded batches."""
 
 from __future__ import annotations
 
-import gzip
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -88,10 +87,3 @@ def make_batches(
         attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in chunk], device=device)
         batches.append({"input_ids": input_ids, "attention_mask": attention_mask})
     return batches
-
-
-def read_lines(path: str) -> list[str]:
-    """One sentence per line, plain or gzip text."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as handle:
-        return [" ".join(line.split()) for line in handle.read().splitlines()]

@@ -1,0 +1,238 @@
+"""`hf-blockwise demo`: greedy and blockwise side by side on a few sentences (or, with `--task asr`, audio clips),
+through the measurement harness."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+import torch
+from transformers.utils import logging as transformers_logging
+
+from hf_blockwise.audio import read_audio_folder, read_wav
+from hf_blockwise.evaluation.harness import measure
+from hf_blockwise.generation.loop import blockwise_generate
+from hf_blockwise.loading import (
+    DRAFTERS,
+    FEATURE_DRAFTER_SUBDIR,
+    REALISTIC_MODEL,
+    SHIPPED_SPEECH_MODEL,
+    LoadedModel,
+    build_drafter,
+    load_model,
+)
+from hf_blockwise.tools.bench import compile_modes, make_batches
+from hf_blockwise.tools.cli.arguments import limit_words, positive_int, require_tokenizer
+
+DEMO_SENTENCES = [
+    "A man in a blue shirt is standing on a ladder.",
+    "Two children are playing in the sand at the beach.",
+    "A woman with a red hat is riding a bicycle down the street.",
+    "A group of people are sitting around a table outside.",
+    "A black dog is running through the grass.",
+    "A young girl is climbing a rock wall.",
+]
+
+
+def run_demo(
+    model_path: str,
+    sentences: Sequence[str],
+    repeats: int,
+    threads: int | None,
+    max_new_tokens: int | None = None,
+    int8: bool = False,
+    drafter: str = "best",
+    compile: bool = True,
+) -> int:
+    """Greedy and blockwise side by side, one sentence at a time, through the measurement harness; prints each
+    pair of outputs, whether they are identical, the mean accepted block and the speedup.
+
+    Args:
+        max_new_tokens (`int`, *optional*): the length limit; by default the checkpoint's generation_config's.
+        drafter (`str`): `"heads"` (the model's proposal heads), `"feature"` (its `feature-drafter/`), or `"best"`:
+            the feature drafter when the model ships one, else the heads.
+        compile (`bool`): decode blockwise through the compiled engine (`blockwise_compile=True`), compiled once
+            before timing. With `int8` the greedy side is the engine's greedy too, "the int8 model's greedy output"
+            (the README's int8 contract), which drafting reproduces bit for bit.
+
+    Returns:
+        `int`: 0 when every output is identical to greedy's, else 1 (the exit status).
+    """
+    transformers_logging.set_verbosity_error()  # the demo's own output is the point
+    if threads:
+        torch.set_num_threads(threads)
+    if not os.path.isdir(model_path):
+        raise SystemExit(f"No checkpoint at {model_path}: pass --model DIR holding a base model, heads and tokenizer")
+    require_tokenizer(model_path)
+    loaded = load_model(model_path, int8=int8)  # int8: greedy below is then the int8 model's greedy too
+    if drafter == "feature" and loaded.feature_model is None:
+        raise SystemExit(f"{model_path} ships no {FEATURE_DRAFTER_SUBDIR}/: use --drafter heads")
+    chosen = "feature" if drafter in ("feature", "best") and loaded.feature_model is not None else "heads"
+    if chosen == "heads" and loaded.heads_model is None:
+        raise SystemExit(f"{model_path} has no proposal heads and ships no {FEATURE_DRAFTER_SUBDIR}/ to draft with")
+    assistant = build_drafter(chosen, loaded)
+    name = "feature drafter" if chosen == "feature" else "proposal heads"
+    precision = "int8" if int8 else "fp32"
+    engine = "compiled engine" if compile else "eager"
+    print(
+        f"model: {model_path} ({name}, k={assistant.block_size}, {precision}, {engine}), "
+        f"{torch.get_num_threads()} threads, batch 1, {limit_words(loaded.base, max_new_tokens)}"
+    )
+    batches = [dict(loaded.tokenizer([sentence], return_tensors="pt")) for sentence in sentences]
+    return _side_by_side(loaded, assistant, batches, sentences, repeats, max_new_tokens, compile, int8 and compile)
+
+
+def run_asr_demo(
+    model_path: str,
+    audio_folder: str | None,
+    repeats: int,
+    threads: int | None,
+    max_new_tokens: int | None,
+    compile: bool,
+) -> int:
+    """Speech recognition, greedy and blockwise side by side, one clip at a time: the speech encoder-decoder at
+    `model_path` (saved with its processor) with its `feature-drafter/`, on its `clips/` or on `audio_folder`.
+
+    Returns:
+        `int`: 0 when every transcript is identical to greedy's, else 1 (the exit status).
+    """
+    transformers_logging.set_verbosity_error()
+    if threads:
+        torch.set_num_threads(threads)
+    require_tokenizer(model_path)
+    loaded = load_model(model_path)
+    base, extractor = loaded.base, loaded.feature_extractor
+    if extractor is None:
+        raise SystemExit(f"{model_path} is a text model: run the demo without --task asr")
+    if loaded.feature_model is None:
+        raise SystemExit(f"{model_path} ships no {FEATURE_DRAFTER_SUBDIR}/ to draft with")
+    assistant = build_drafter("feature", loaded)
+    examples = read_audio_folder(audio_folder or os.path.join(model_path, "clips"))
+    audio = [read_wav(example.path, extractor.sampling_rate) for example in examples]
+    batches = make_batches(audio, 1, loaded.tokenizer, base.config.pad_token_id, base.device, extractor)
+    labels = [example.path.name + (f" ({example.transcript})" if example.transcript else "") for example in examples]
+    print(
+        f"model: {model_path} (feature drafter, k={assistant.block_size}, fp32, "
+        f"{'compiled engine' if compile else 'eager'}), {torch.get_num_threads()} threads, batch 1, "
+        f"{limit_words(base, max_new_tokens)}"
+    )
+    return _side_by_side(loaded, assistant, batches, labels, repeats, max_new_tokens, compile)
+
+
+def _side_by_side(
+    loaded: LoadedModel, assistant, batches: list[dict], labels: Sequence[str], repeats: int,
+    max_new_tokens: int | None, compile: bool, engine_greedy: bool = False,
+) -> int:  # fmt: skip
+    """Greedy and blockwise decoding of each one-row batch through the measurement harness; prints each pair of
+    outputs under its label, whether they are identical, the mean accepted block and the speedup.
+    `max_new_tokens=None` keeps the model's generation config's limit; `engine_greedy` takes the compiled engine's
+    greedy (no assistant) as the greedy side, transformers' eager greedy otherwise."""
+    base, tokenizer = loaded.base, loaded.tokenizer
+    # both sides greedy, whatever the checkpoint's generation_config asks for (said first when it asks for more)
+    limit = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
+    search = {"do_sample": False, "num_beams": 1, **limit}
+    greedy_kwargs = {"custom_generate": blockwise_generate, "blockwise_compile": True} if engine_greedy else {}
+    runners = {
+        "greedy": lambda batch, _: base.generate(**batch, return_dict_in_generate=True, **greedy_kwargs, **search),
+        "blockwise": lambda batch, _: base.generate(
+            **batch, custom_generate=blockwise_generate, assistant=assistant, return_dict_in_generate=True,
+            blockwise_compile=compile, **search,
+        ),
+    }  # fmt: skip
+    defaults = base.generation_config
+    if (defaults.num_beams or 1) > 1 or defaults.do_sample:
+        print(
+            f"note: the checkpoint's generation_config asks for num_beams={defaults.num_beams}, do_sample="
+            f"{defaults.do_sample}; the demo decodes greedy both ways (num_beams=1, do_sample=False), the output "
+            "blockwise decoding reproduces"
+        )
+    if engine_greedy:
+        print("greedy: the compiled engine's int8 greedy, the int8 model's reference output (README, int8)")
+        compile_modes({"greedy": runners["greedy"]}, batches[0], {"greedy"})
+    if compile:
+        print(
+            "compiling the decoder's verification forward and the drafter's block with torch.compile before timing "
+            "(one-time; ~20-30 s on the shipped models here, --no-compile skips it) ...",
+            flush=True,
+        )
+        seconds = compile_modes({"blockwise": runners["blockwise"]}, batches[0], {"blockwise"})["blockwise"]
+        print(f"compiled (inductor, weights frozen and prepacked) in {seconds:.1f}s")
+    results = measure(
+        runners, batches, pad_token_id=base.config.pad_token_id, reference="greedy", tokenizer=tokenizer,
+        repeats=repeats, progress=False, count_forwards_of=[base],
+    )  # fmt: skip
+    greedy, blockwise = results["greedy"], results["blockwise"]
+    for label, greedy_text, text, same in zip(
+        labels, greedy.texts, blockwise.texts, blockwise.identical_rows, strict=True
+    ):
+        print(f"\nsource:    {label}")
+        print(f"greedy:    {greedy_text.strip()}")
+        print(f"blockwise: {text.strip()}   [identical: {same}]")
+    print(f"\nidentical outputs: {blockwise.identical}/{len(labels)}")
+    print(f"mean accepted block: {blockwise.mean_accepted:.2f} tokens per decoder call")
+    print(
+        f"time (sum of per-input medians over {repeats} runs): greedy {greedy.seconds:.3f}s, "
+        f"blockwise {blockwise.seconds:.3f}s, speedup {blockwise.speedup:.2f}x"
+    )
+    return 0 if blockwise.identical == len(labels) else 1
+
+
+def run_demo_command(demo: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`hf-blockwise demo`: translation (the shipped realistic model, `marian-base-en-de`, by default) or, with
+    `--task asr`, speech recognition (the shipped speech model by default)."""
+    if args.task == "asr":
+        if args.sentences or args.int8 or args.drafter != "best":
+            demo.error("--task asr takes no sentences, --int8 or --drafter (it drafts with the feature drafter)")
+        model = args.model or SHIPPED_SPEECH_MODEL
+        if not os.path.isdir(model):
+            demo.error(
+                f"no speech model at {model}: pass --model DIR with a speech encoder-decoder, its processor and a "
+                "feature-drafter/ subfolder (and --audio-folder DIR unless DIR/clips holds the audio)"
+            )
+        return run_asr_demo(
+            model, args.audio_folder, args.repeats, args.threads, args.max_new_tokens, compile=not args.no_compile
+        )
+    if args.audio_folder:
+        demo.error("--audio-folder needs --task asr")
+    sentences = args.sentences or DEMO_SENTENCES
+    return run_demo(
+        args.model or REALISTIC_MODEL,
+        sentences,
+        args.repeats,
+        args.threads,
+        args.max_new_tokens,
+        args.int8,
+        args.drafter,
+        compile=not args.no_compile,
+    )
+
+
+def add_demo_arguments(demo: argparse.ArgumentParser) -> None:
+    """The flags of `hf-blockwise demo`."""
+    demo.add_argument(
+        "--model", default=None, help="directory with a base model, its drafters and tokenizer (default: the shipped "
+        "marian-base-en-de; with --task asr the shipped speech-en; hf_blockwise/pretrained/multi30k-en-de is a "
+        "quicker try)",
+    )  # fmt: skip
+    demo.add_argument("--repeats", type=positive_int, default=5, help="timing runs per sentence (median is reported)")
+    demo.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=None,
+        help="length limit; default: the checkpoint's generation_config, as model.generate() without arguments",
+    )
+    demo.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    demo.add_argument("--int8", action="store_true", help="quantize the base to int8 first (CPU; both modes)")
+    demo.add_argument(
+        "--drafter", choices=("best", *(name for name, kind in DRAFTERS.items() if kind.demo)), default="best",
+        help="best: the shipped feature drafter if the model has one, else its proposal heads",
+    )  # fmt: skip
+    demo.add_argument("--no-compile", action="store_true", help="decode blockwise eagerly, without the compiled engine")
+    demo.add_argument(
+        "--task", choices=("translation", "asr"), default="translation",
+        help="asr: a speech model (--model DIR with its processor and feature-drafter/; default: the shipped "
+        "speech-en) transcribes --audio-folder (default: DIR/clips) greedy and with its feature drafter",
+    )  # fmt: skip
+    demo.add_argument("--audio-folder", default=None, help="--task asr: 16-bit .wav files (and metadata.csv)")
+    demo.add_argument("sentences", nargs="*", help="English sentences to translate (default: built-in examples)")
