@@ -26,6 +26,8 @@ def run_notebook(name: str, overrides: dict[str, object], workdir: Path) -> nbfo
     tagged = [i for i, cell in enumerate(notebook.cells) if "parameters" in cell.metadata.get("tags", [])]
     assert len(tagged) == 1, f"{name} needs exactly one cell tagged 'parameters'"
     source = "\n".join(f"{key} = {json.dumps(value)}" for key, value in overrides.items())
+    # one torch thread, as the test workers run: two xdist workers and a kernel of 2 threads oversubscribe the CPU
+    source += "\nimport torch\ntorch.set_num_threads(1)"
     notebook.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(source))
     resources = {"metadata": {"path": str(workdir)}}
     client = NotebookClient(notebook, timeout=300, kernel_name="python3", resources=resources)
