@@ -144,7 +144,7 @@ def load_model(
     ):  # fmt: skip
         if path is not None:
             hf.check_local_path(path, what)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = hf.from_hub(AutoTokenizer.from_pretrained, model_path, "--model / model")
     heads_model, base = _load_base(model_path)
     if int8:
         quantized = quantize_dynamic_int8(heads_model if heads_model is not None else base)

@@ -25,7 +25,7 @@ from hf_blockwise import (
     blockwise_generate,
     quantize_dynamic_int8,
 )
-from hf_blockwise.boundary import base_weights_fingerprint
+from hf_blockwise.boundary import base_weights_fingerprint, from_hub
 from hf_blockwise.modeling.config import CONFIG_NAME, MAX_BLOCK_SIZE
 
 
@@ -313,3 +313,16 @@ def test_whisper_features_with_the_wrong_mel_bins_name_the_expected_number() -> 
         model.generate(features[:, :7], max_new_tokens=4)
     greedy = whisper.generate(input_features=features, max_new_tokens=4)
     assert torch.equal(model.generate(input_features=features, max_new_tokens=4), greedy)
+
+
+def test_a_name_neither_local_nor_on_the_hub_is_a_clear_error(tmp_path) -> None:
+    """A hub id typo (or any model offline and not cached): transformers' `OSError` about connecting becomes a
+    `ValueError` naming the model and the likely causes, which the CLI prints as its message."""
+
+    def unreachable(name: str) -> None:
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.")
+
+    with pytest.raises(ValueError, match=r"'org/opus-mt-en-dee' is no local folder.*typo"):
+        from_hub(unreachable, "org/opus-mt-en-dee", "--model / model")
+    with pytest.raises(OSError, match="couldn't connect"):  # a folder that exists keeps transformers' own error
+        from_hub(unreachable, tmp_path, "--model / model")

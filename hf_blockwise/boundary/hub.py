@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -28,6 +29,27 @@ from transformers.models.auto.modeling_auto import (
 from transformers.utils import cached_file
 
 from hf_blockwise.boundary.models import unwrap_base
+
+T = TypeVar("T")
+
+
+def from_hub(load: Callable[..., T], name: str | os.PathLike, what: str, **kwargs: Any) -> T:
+    """`load(name, **kwargs)`, a transformers `from_pretrained`, with its `OSError` for a `name` that is no local
+    path and could not be fetched from the Hub (offline, or a typo) turned into a `ValueError` that names it.
+
+    Args:
+        what (`str`): how the caller calls `name` (`"--model / model"`), for the message.
+    """
+    try:
+        return load(name, **kwargs)
+    except OSError as error:
+        if os.path.exists(name):
+            raise
+        reason = str(error).strip().splitlines()[0]
+        raise ValueError(
+            f"{what} {os.fspath(name)!r} is no local folder, and transformers could not load it from the Hub: "
+            f"{reason} Check the name for a typo; offline, only checkpoints already in the Hugging Face cache load."
+        ) from error
 
 
 def has_file(name_or_path: str | os.PathLike, filename: str) -> bool:

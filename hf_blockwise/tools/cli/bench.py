@@ -89,10 +89,13 @@ def _bench_setup(args: argparse.Namespace) -> tuple[BenchSetup, list, list[str] 
         references = None
     else:
         require_tokenizer(args.model)
-        loaded = load_model(
-            args.model, assistant_path=args.assistant_model, nar_drafter_path=args.nar_drafter,
-            feature_drafter_path=args.feature_drafter, sequential_heads_path=args.sequential_heads,
-        )  # fmt: skip
+        try:
+            loaded = load_model(
+                args.model, assistant_path=args.assistant_model, nar_drafter_path=args.nar_drafter,
+                feature_drafter_path=args.feature_drafter, sequential_heads_path=args.sequential_heads,
+            )  # fmt: skip
+        except ValueError as error:  # a model that is not there, or not what its folder says
+            raise SystemExit(f"hf-blockwise bench: {error}") from error
         # the checkpoint's generation_config by default, as model.generate() without arguments
         limit = args.max_new_tokens or default_max_new_tokens(loaded.base)[0]
         setup = BenchSetup(loaded, limit, iad_max_draft_length=args.iad_max_draft_length)
