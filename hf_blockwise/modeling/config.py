@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
+from hf_blockwise.renamed import renamed_names
 from hf_blockwise.serialization import JsonConfigMixin
 
 CONFIG_NAME = "blockwise_config.json"
@@ -169,16 +169,5 @@ class FeatureDrafterConfig(JsonConfigMixin):
                 raise ValueError(f"{name} must be a string or None, got {value!r}")
 
 
-# names before 0.2, kept for one release: importing one warns and gives the new class
-_RENAMED = {"BlockwiseConfig": "BlockwiseHeadsConfig"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _RENAMED:
-        warnings.warn(
-            f"{name} is now {_RENAMED[name]}; the old name will be removed in the next release",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return globals()[_RENAMED[name]]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# names before 0.2, kept for one release (with a FutureWarning)
+__getattr__ = renamed_names(__name__, globals(), {"BlockwiseConfig": "BlockwiseHeadsConfig"})

@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
-from typing import Any
 
 from transformers import Seq2SeqTrainingArguments
 
+from hf_blockwise.renamed import renamed_names
 from hf_blockwise.training.common import prepare_eval_decoding
 
 HEAD_LOSSES = ("mean", "sampled")
@@ -63,16 +62,5 @@ class BlockwiseHeadsTrainingArguments(Seq2SeqTrainingArguments):
         super().__post_init__()
 
 
-# names before 0.2, kept for one release: importing one warns and gives the new class
-_RENAMED = {"BlockwiseTrainingArguments": "BlockwiseHeadsTrainingArguments"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _RENAMED:
-        warnings.warn(
-            f"{name} is now {_RENAMED[name]}; the old name will be removed in the next release",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return globals()[_RENAMED[name]]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# names before 0.2, kept for one release (with a FutureWarning)
+__getattr__ = renamed_names(__name__, globals(), {"BlockwiseTrainingArguments": "BlockwiseHeadsTrainingArguments"})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import warnings
 from typing import Any
 
 import torch
@@ -11,6 +10,7 @@ from torch import nn
 
 from hf_blockwise.boundary.trainer import AdapterCheckpointMixin
 from hf_blockwise.modeling.model import BlockwiseHeadsModel
+from hf_blockwise.renamed import renamed_names
 from hf_blockwise.training.common import StepMetricsTrainer, check_trainer_inputs, with_pad_collator
 from hf_blockwise.training.heads_config import BlockwiseHeadsTrainingArguments
 
@@ -81,16 +81,5 @@ class BlockwiseHeadsTrainer(AdapterCheckpointMixin, StepMetricsTrainer):
         model.load_weights(checkpoint_dir, include_base=self.args.base_training == "full")
 
 
-# names before 0.2, kept for one release: importing one warns and gives the new class
-_RENAMED = {"BlockwiseTrainer": "BlockwiseHeadsTrainer"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _RENAMED:
-        warnings.warn(
-            f"{name} is now {_RENAMED[name]}; the old name will be removed in the next release",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return globals()[_RENAMED[name]]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# names before 0.2, kept for one release (with a FutureWarning)
+__getattr__ = renamed_names(__name__, globals(), {"BlockwiseTrainer": "BlockwiseHeadsTrainer"})
