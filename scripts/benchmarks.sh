@@ -24,6 +24,7 @@ set_files() {
 # batch 1 and Europarl at batch 16, CTranslate2 beside them; the int8 call's cost against its bytes; what the
 # stale-weight check costs
 python scripts/int8_call_cost.py --threads 2 > docs/bench/int8-call-cost.md
+python scripts/int8_kernels.py --threads 2 > docs/bench/int8-kernels-2threads.md
 for set in europarl multi30k; do
     set_files $set
     hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 100 --batch-sizes 1 \

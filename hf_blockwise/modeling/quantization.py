@@ -11,10 +11,11 @@ function of that row.
 The integer product is `torch._int_mm` (int8 rows times the int8 weights, transposed once at quantization, summed
 in int32), an ATen operator that `torch.compile` calls as it is; the rows' quantization before it and the scaling
 after it are plain elementwise torch operations, which the compiled engine fuses with the layer norm before and the
-residual after, computing the same bits as eager decoding. Measured on the 2-core Xeon (2 threads,
-`scripts/int8_call_cost.py`, `docs/results.md`): a product of 512x512 at 3 rows costs 16 us, oneDNN's
-`qlinear_pointwise` over prepacked weights 50 us and float32 17 us: at these sizes a call's fixed cost, not its
-bytes, decides, and `_int_mm`'s is the smallest.
+residual after, computing the same bits as eager decoding. Measured on the 2-core Xeon, 2 threads, rows quantized
+eagerly (`scripts/int8_kernels.py`, `docs/bench/int8-kernels-2threads.md`): 512x512 at 4 rows 0.041 ms against
+oneDNN's `qlinear_pointwise` 0.063 (float32 0.023), 512x2048 0.064 against 0.071; oneDNN wins the 512->16000 output
+projection (0.30 ms against 0.49). Inside the compiled engine, where oneDNN needed an opaque operator of our own
+(~28 us of Python per product), one decoder call went from 7.9-8.5 ms to 5.9-7.0 ms (`scripts/int8_call_cost.py`).
 
 Quantizing changes the model, and so its greedy output (the benchmark reports the quality change); blockwise
 decoding of the quantized model is then exact with respect to the quantized model's greedy decoding.
