@@ -9,7 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from conftest import build_model, load_recipe_module, word_tokenizer
+from safetensors.torch import load_file
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 
@@ -122,6 +124,14 @@ def test_self_distillation_and_feature_drafter_recipes_train_resume_and_ship(tmp
     config = json.loads((ship_dir / "feature_drafter_config.json").read_text())
     assert config["base_model_name_or_path"] == ".." and 1 <= config["shortlist_size"] <= 30
     assert sorted(os.listdir(ship_dir)) == ["README.md", "feature_drafter.safetensors", "feature_drafter_config.json"]
+    # a later session trains the shipped drafter further: with a zero learning rate its weights are the shipped ones
+    again = [*command[:7], str(tmp_path / "again"), *command[8:], "--max-steps", "1", "--lr", "0"]
+    third = subprocess.run([*again, "--init-from", str(ship_dir)], capture_output=True, text=True, timeout=300)
+    assert third.returncode == 0, third.stderr[-3000:]
+    shipped = load_file(ship_dir / "feature_drafter.safetensors")
+    continued = load_file(tmp_path / "again" / "final" / "feature_drafter.safetensors")
+    assert shipped.keys() == continued.keys()
+    assert all(torch.equal(shipped[name].float(), continued[name].float()) for name in shipped)
 
 
 def test_synthetic_errors_are_learner_like_reproducible_and_leave_some_sentences_clean() -> None:

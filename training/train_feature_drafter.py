@@ -25,6 +25,9 @@ Exact commands (from the repository root; wall times in ``training/README.md``):
         --distilled checkpoints/distill-marian-base --out checkpoints/feature-marian-base --epochs 2 \
         --block-size 4 --bf16 true --save-steps 50 \
         --ship hf_blockwise/pretrained/marian-base-en-de/feature-drafter
+
+Training further in a later session (checkpoints do not outlive one) starts from the shipped weights:
+``--init-from hf_blockwise/pretrained/marian-base-en-de/feature-drafter`` with a fresh ``--out``.
 """
 
 from __future__ import annotations
@@ -93,6 +96,13 @@ class TrainFeatureDrafterArguments:
     max_new_tokens: int = field(default=128)
     shortlist: int | None = field(default=2000, metadata={"help": "draft among the N most frequent target tokens"})
     ship: str | None = field(default=None, metadata={"help": "also write the drafter here (inside the base dir)"})
+    init_from: str | None = field(
+        default=None,
+        metadata={
+            "help": "start from a saved drafter (the shipped one, to train it further across sessions: checkpoints "
+            "do not outlive a session), its shape and config as saved; a checkpoint in --out still takes precedence"
+        },
+    )
 
 
 def test_set(args: TrainFeatureDrafterArguments) -> tuple[list[str], list[str]]:
@@ -143,7 +153,10 @@ def train(args: TrainFeatureDrafterArguments):
         training_depth=args.training_depth,
         base_model_name_or_path=args.base,
     )
-    model = FeatureDrafterModel(base, config)
+    if args.init_from:  # the saved drafter as it is (its own shape and config), on this base
+        model = FeatureDrafterModel.from_pretrained(args.init_from, base_model=base)
+    else:
+        model = FeatureDrafterModel(base, config)
     training_args = trainer_arguments(
         FeatureDrafterTrainingArguments,
         args,
