@@ -243,8 +243,9 @@ class CompiledDecoder:
         self.compiled_calls = 0
 
     def close(self) -> None:
-        """Removes the engine's hook from the model (done when an engine is dropped)."""
-        self._step.hook_handle.remove()
+        """Removes the engine's hooks from the model (done when an engine is dropped)."""
+        for handle in self._step.hook_handles:
+            handle.remove()
 
     def new_cache(self, max_length: int, block_size: int = 1) -> Any:
         """A static cache for a decode of up to `max_length` tokens fed up to `block_size` tokens per row and call.
@@ -256,20 +257,27 @@ class CompiledDecoder:
         return hf.static_decoder_cache(self.num_layers, -(-needed // _CACHE_ROUNDING) * _CACHE_ROUNDING)
 
     def forward(
-        self, tokens: torch.Tensor, cache: Any, forward_kwargs: dict[str, Any], cache_length: int
+        self,
+        tokens: torch.Tensor,
+        cache: Any,
+        forward_kwargs: dict[str, Any],
+        cache_length: int,
+        tree: hf.TreeInputs | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One cached decoder pass over `tokens`, compiled after the first.
 
         Args:
             tokens (`torch.LongTensor` of shape `(batch_size, width)`).
             cache: from [`new_cache`]; `cache_length` positions of it are valid.
+            tree ([`hf.TreeInputs`], *optional*): the feed is a tree of drafts (`generation/tree.py`); its graph is
+                another than a chain's.
 
         Returns:
             logits (`torch.FloatTensor` of shape `(batch_size, width, vocab_size)`) and the states at the output
             projection (`torch.Tensor` of shape `(batch_size, width, hidden_size)`).
         """
         if cache_length == 0:  # writes the cross-attention cache: another graph, run once per call
-            outputs = self._step(tokens, cache, forward_kwargs)
+            outputs = self._step(tokens, cache, forward_kwargs, *self._tree_inputs(cache, 0, tree))
             if self.freezing:
                 hf.unpin_static_cache(cache)
             return outputs
@@ -279,9 +287,16 @@ class CompiledDecoder:
             padded = max(width, min(padded, self.position_limit - cache_length))
         if padded > width:  # filler columns are hidden by causal attention; see MIN_FEED_WIDTH
             tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, padded - width)], dim=1)
-        logits, states = self._compiled(tokens, cache, forward_kwargs)
+        tree = None if tree is None else tree.padded_to(padded)
+        logits, states = self._compiled(tokens, cache, forward_kwargs, *self._tree_inputs(cache, cache_length, tree))
         self.compiled_calls += 1
         return logits[:, :width], states[:, :width]
+
+    def _tree_inputs(self, cache: Any, cache_length: int, tree: hf.TreeInputs | None) -> tuple[torch.Tensor, ...]:
+        """What [`_DecoderStep`] takes besides a chain's inputs for a tree feed: the depths and the 4D mask."""
+        if tree is None:
+            return ()
+        return tree.depth, hf.tree_attention_mask(self._step.model_ref(), cache, cache_length, tree)
 
 
 class _DecoderStep(nn.Module):
@@ -305,21 +320,35 @@ class _DecoderStep(nn.Module):
         projection = model.get_output_embeddings()
         if projection is None:
             raise ValueError(f"{type(model).__name__} has no output projection (get_output_embeddings() is None)")
-        self.hook_handle = projection.register_forward_hook(self._keep_states)
+        self.depth: torch.Tensor | None = None
+        self.hook_handles = [projection.register_forward_hook(self._keep_states)]
+        positions = hf.decoder_position_module(model)
+        if positions is not None:
+            self.hook_handles.append(positions.register_forward_hook(self._place_nodes))
 
     def _keep_states(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if self.capturing:
             self.states = args[0]
 
+    def _place_nodes(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        return None if self.depth is None else hf.positions_at_depth(output, self.depth)
+
     def forward(
-        self, tokens: torch.Tensor, cache: Any, forward_kwargs: dict[str, Any]
+        self,
+        tokens: torch.Tensor,
+        cache: Any,
+        forward_kwargs: dict[str, Any],
+        depth: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.capturing = True
+        """A chain feed, or with `depth` and `tree_mask` a tree feed (`boundary/tree.py`)."""
+        self.capturing, self.depth = True, depth
+        mask = hf.static_cache_mask(cache, tokens) if tree_mask is None else tree_mask
         outputs = self.model_ref()(
             decoder_input_ids=tokens, past_key_values=cache, use_cache=True, return_dict=True,
-            **{**forward_kwargs, "decoder_attention_mask": hf.static_cache_mask(cache, tokens)},
+            **{**forward_kwargs, "decoder_attention_mask": mask},
         )  # fmt: skip
-        self.capturing = False
+        self.capturing, self.depth = False, None
         states, self.states = self.states, None
         return outputs.logits, states
 

@@ -227,6 +227,9 @@ class DrafterOptions:
         threshold (`float`, `"config"` or `None`): the feature drafter's draft threshold (`"config"`: its config's;
             `None`: no threshold).
         use_shortlist (`bool`): the heads propose from their vocabulary shortlist (when they have one).
+        tree_nodes (`int`, *optional*): heads and feature drafters propose trees of this many drafts per row
+            (`None`: chains); tree_branching (`int`): candidates per drafted state (feature: also nodes expanded per
+            depth).
         max_draft_length (`int`): most source tokens source copy drafts per step. realign (`bool`): source copy
             drafts right after an edit too.
     """
@@ -234,6 +237,8 @@ class DrafterOptions:
     block_size: int | None = None
     threshold: float | str | None = "config"
     use_shortlist: bool = True
+    tree_nodes: int | None = None
+    tree_branching: int = 2
     max_draft_length: int = 32
     realign: bool = False
 
@@ -243,7 +248,10 @@ def _input_copy(loaded: LoadedModel, options: DrafterOptions) -> Drafter:
 
 
 def _feature(loaded: LoadedModel, options: DrafterOptions) -> Drafter:
-    return loaded.feature_model.drafter(block_size=options.block_size, threshold=options.threshold)
+    return loaded.feature_model.drafter(
+        block_size=options.block_size, threshold=options.threshold, tree_nodes=options.tree_nodes,
+        tree_branching=options.tree_branching,
+    )  # fmt: skip
 
 
 def _nar(loaded: LoadedModel, options: DrafterOptions) -> Drafter:
@@ -285,7 +293,9 @@ DRAFTERS: dict[str, DrafterKind] = {
     kind.name: kind
     for kind in (
         DrafterKind(
-            "heads", lambda loaded, options: loaded.heads_model.drafter(options.block_size, options.use_shortlist),
+            "heads", lambda loaded, options: loaded.heads_model.drafter(
+                options.block_size, options.use_shortlist, options.tree_nodes, options.tree_branching
+            ),
             lambda loaded: "no proposal heads (blockwise_config.json)" if loaded.heads_model is None else None,
             ("heads", "heads_full_vocab", "heads_top2"), demo=True,
         ),

@@ -93,7 +93,16 @@ def test_mode_properties() -> None:
     assert not Mode.parse("feature_int8d").on_int8_model and not Mode.parse("feature_int8").on_int8_drafter
 
 
-@pytest.mark.parametrize("name", ["beam4_compiled", "heads_k3_int8", "feature_t0.3.4", "loop_int8", "nope"])
+def test_tree_modes_parse_their_nodes_and_branching() -> None:
+    tree = Mode.parse("feature_k6_n16_m4_int8_compiled")
+    assert (tree.family, tree.block_size, tree.tree_nodes, tree.tree_branching) == ("feature", 6, 16, 4)
+    assert tree.compiled and tree.on_int8_model and tree.reference == "greedy_int8_compiled"
+    heads = Mode.parse("heads_k4_n8")
+    assert (heads.tree_nodes, heads.tree_branching, heads.on_int8_model) == (8, 2, False)
+    assert Mode.parse("heads_k3_int8").on_int8_model and Mode.parse("feature_k5").tree_nodes is None
+
+
+@pytest.mark.parametrize("name", ["beam4_compiled", "heads_k3_n", "feature_t0.3.4", "loop_int8", "nope"])
 def test_unknown_modes_are_refused(name: str) -> None:
     with pytest.raises(ValueError, match=f"Unknown mode {name!r}"):
         Mode.parse(name)

@@ -8,13 +8,15 @@ range below (`pyproject.toml`): when transformers changes, this is the one packa
 
 Modules, each importing only those listed before it (and none of them this package's `__init__`):
 
+- `cache`: the croppable dynamic cache of the loop, the static caches of the compiled engine, and cropping and row
+  selection for both.
+- `tree`: a tree of drafts through the decoder forward: positions by depth (a hook on the position module),
+  the ancestry mask, the capability of a decoder to take one, and compacting the cache to the accepted path.
 - `models`: where a transformers seq2seq model keeps what the loop and the heads need: `BaseModelWrapper` and
   `unwrap_base` (and the checks of what wrappers and drafters are given: `check_wrap_arguments`,
   `check_materialized`, `check_same_projection`), decoder config, layer count, FFN width, MoE capacity, encoder
   width and input name, token embeddings and the shared-vocabulary check, the output projection (captured input,
   selected columns, logit bias, shortlist rows), and `decoder_forward`.
-- `cache`: the croppable dynamic cache of the loop, the static caches of the compiled engine, and cropping and row
-  selection for both.
 - `processors`: transformers' stopping criteria (`StopRules`) and logits processors, as a blockwise step uses them.
 - `probes`: the tiny probe batch (`probe_inputs`, random encoder states for speech and vision encoders) and
   `check_output_projection`.
@@ -27,7 +29,7 @@ Modules, each importing only those listed before it (and none of them this packa
 - `trainer`: what the trainers take from transformers' `Trainer` (`TRAINING_ARGS_NAME`); not re-exported here,
   so that importing hf_blockwise does not import `transformers.trainer`.
 
-Everything public of the first eight is re-exported here: `from hf_blockwise import boundary as hf; hf.crop_cache`
+Everything public of the first nine is re-exported here: `from hf_blockwise import boundary as hf; hf.crop_cache`
 and `from hf_blockwise.boundary import crop_cache` both work. Patch a name in the module that looks it up
 (`hf_blockwise.boundary.cache.crop_cache`), not here.
 """
@@ -115,6 +117,15 @@ from hf_blockwise.boundary.processors import (
     processor_ignores_prefix,
     split_stopping_criteria,
 )
+from hf_blockwise.boundary.tree import (
+    TreeInputs,
+    compact_cache,
+    decoder_position_module,
+    positions_at_depth,
+    tree_attention_mask,
+    tree_positions,
+    tree_support,
+)
 
 TESTED_TRANSFORMERS_RANGE = ">=5.23,<5.24"
 
@@ -125,6 +136,7 @@ __all__ = [
     "GenerateCall",
     "ProbeInputs",
     "StopRules",
+    "TreeInputs",
     "adapt_generate_call",
     "adapter_base",
     "base_location",
@@ -143,6 +155,7 @@ __all__ = [
     "check_same_projection",
     "check_shared_vocabulary",
     "check_wrap_arguments",
+    "compact_cache",
     "crop_cache",
     "decoder_config",
     "decoder_ffn_width",
@@ -150,6 +163,7 @@ __all__ = [
     "decoder_input_embeddings",
     "decoder_layer_count",
     "decoder_position_limit",
+    "decoder_position_module",
     "decoder_prompt_kwargs",
     "decoder_reads_frame_mask",
     "encoder_decoder_only",
@@ -173,6 +187,7 @@ __all__ = [
     "output_projection_logits",
     "pad_token_tensor",
     "position_limit",
+    "positions_at_depth",
     "probe_inputs",
     "processor_acts_at",
     "processor_ignores_prefix",
@@ -189,6 +204,9 @@ __all__ = [
     "static_decoder_cache",
     "stop_string_kwargs",
     "streamer_from_generate_call",
+    "tree_attention_mask",
+    "tree_positions",
+    "tree_support",
     "unpin_static_cache",
     "unwrap_base",
     "validate_generation_config",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -19,6 +19,8 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.cache_utils import EncoderDecoderCache
 from transformers.generation import GenerationConfig
+
+from hf_blockwise.boundary.tree import TreeInputs, tree_attention_mask, tree_positions
 
 
 class BaseModelWrapper(nn.Module):
@@ -346,28 +348,32 @@ def decoder_forward(
     cache: EncoderDecoderCache,
     forward_kwargs: dict[str, Any],
     capture_states: bool = False,
+    tree: TreeInputs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One cached decoder pass over `decoder_input_ids`, as `generate` runs it.
 
     Args:
         decoder_input_ids (`torch.LongTensor` of shape `(batch_size, width)`).
         capture_states (`bool`): also return what the model feeds its output projection.
+        tree ([`TreeInputs`], *optional*): the feed is a tree of drafts: positions by depth, attention by ancestry
+            (`boundary/tree.py`).
 
     Returns:
         logits (`torch.FloatTensor` of shape `(batch_size, width, vocab_size)`) and, with `capture_states`,
         states (`torch.Tensor` of shape `(batch_size, width, hidden_size)`), else `None`.
     """
-    if not capture_states:
+    with ExitStack() as stack:
+        if tree is not None:
+            stack.enter_context(tree_positions(model, tree.depth))
+            mask = tree_attention_mask(model, cache, cache.get_seq_length(), tree)
+            forward_kwargs = {**forward_kwargs, "decoder_attention_mask": mask}
+        captured = stack.enter_context(capture_output_projection_input(model)) if capture_states else None
         outputs = model(
             decoder_input_ids=decoder_input_ids, past_key_values=cache, use_cache=True, return_dict=True,
             **forward_kwargs,
         )  # fmt: skip
+    if captured is None:
         return outputs.logits, None
-    with capture_output_projection_input(model) as captured:
-        outputs = model(
-            decoder_input_ids=decoder_input_ids, past_key_values=cache, use_cache=True, return_dict=True,
-            **forward_kwargs,
-        )  # fmt: skip
     if not captured:
         raise ValueError(
             f"{type(model).__name__}'s get_output_embeddings() ({type(model.get_output_embeddings()).__name__}) "

@@ -92,13 +92,30 @@ class DraftRequest:
 class Drafts:
     """Proposed continuations.
 
+    A chain by default: draft i follows draft i - 1. With `parents`, a tree of candidates that one verification
+    checks together (`generation/tree.py`): each draft follows its parent, and the longest path greedy decoding
+    would take is kept.
+
     Attributes:
         tokens (`torch.LongTensor` of shape `(batch_size, num_drafts)`): drafts, left-aligned per row.
         lengths (`torch.LongTensor` of shape `(batch_size,)`): how many leading entries of each row are drafts.
+        parents (`torch.LongTensor` of shape `(batch_size, num_drafts)`, *optional*): a tree: the index of each
+            draft's parent among the row's drafts, `-1` for a draft that follows the last verified token. Parents
+            come before their children, and the most likely chain comes first (drafts `0..c-1` with parents
+            `-1..c-2`): a step that cannot verify a tree verifies that chain ([`main_chain`]).
     """
 
     tokens: torch.Tensor
     lengths: torch.Tensor
+    parents: torch.Tensor | None = None
+
+    def main_chain(self) -> Drafts:
+        """The leading drafts that form a chain (all of them when this is a chain already)."""
+        if self.parents is None:
+            return self
+        chained = self.parents == torch.arange(-1, self.parents.shape[1] - 1, device=self.parents.device)
+        lengths = torch.minimum(self.lengths, chained.long().cumprod(dim=1).sum(dim=1))
+        return Drafts(tokens=self.tokens, lengths=lengths)
 
     @classmethod
     def empty(cls, batch_size: int, device: torch.device) -> Drafts:
@@ -116,10 +133,13 @@ class Drafter(ABC):
             (k in Stern et al.); a step feeds at most this many tokens per row to the decoder.
         reads_decoder_states (`bool`): whether `DraftRequest.last_states` and `verified_states` are needed; the
             loop captures the decoder states at the output projection only for drafters that read them.
+        tree_nodes (`int`, *optional*): most drafts per row of the trees this drafter proposes ([`Drafts.parents`]);
+            `None` for a drafter of chains. The loop sizes its cache by it and checks that the model can verify trees.
     """
 
     block_size: int
     reads_decoder_states: bool = False
+    tree_nodes: int | None = None
 
     def prepare(self, encoder_input_ids: torch.Tensor | None, encoder_attention_mask: torch.Tensor | None) -> Any:
         """Called once per `generate` call, before the first step; the result comes back as

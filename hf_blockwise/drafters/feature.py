@@ -32,6 +32,13 @@ from hf_blockwise.boundary import (
 )
 from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts, VerifiedStates
 from hf_blockwise.drafters.heads import ShortlistProjection
+from hf_blockwise.drafters.trees import (
+    check_tree_options,
+    expanded_depths,
+    ranked_candidates,
+    ranked_tree,
+    select_tree,
+)
 from hf_blockwise.engine import CompiledModule, compiled_block
 
 
@@ -88,6 +95,8 @@ class FeatureDraftCache:
         block ([`CompiledModule`], *optional*): the compiled drafting block, looked up once per call (the lookup
             checks the weights' fingerprint) when the call is compiled and down to one row; `block_ready` says the
             lookup was made (`None` then means compilation is unavailable).
+        eager_block ([`FeatureDraftBlock`], *optional*): the drafting block run as a plain module, for trees drafted
+            outside the compiled engine (built once per call).
     """
 
     keys: torch.Tensor | None = None
@@ -100,6 +109,7 @@ class FeatureDraftCache:
     backlog: list[VerifiedStates] = field(default_factory=list)
     block: CompiledModule | None = None
     block_ready: bool = False
+    eager_block: nn.Module | None = None
 
 
 class FeatureDrafter(Drafter):
@@ -112,6 +122,13 @@ class FeatureDrafter(Drafter):
             below this, so the verification pass does not pay for tokens likely to be rejected. `None` always
             drafts `block_size - 1`. Deciding when every row has stopped reads the device once per draft.
         use_shortlist (`bool`, defaults to `True`): draft among the model's shortlist, if it has one.
+        tree_nodes (`int`, *optional*): propose a tree of this many drafts per row instead of a chain: the main chain
+            and each depth's runners-up, the best by cumulative draft probability (`drafters/trees.py`), all verified
+            in one call. `None` drafts a chain. Not combined with `threshold` (the tree's own selection replaces it).
+        tree_branching (`int`, defaults to 2): candidates per drafted state of a tree (best first).
+        tree_frontier (`int`, defaults to 2): how many nodes of each depth of a tree are expanded (EAGLE-2: those of
+            highest cumulative probability, drafted together in one layer pass); `0` ranks runners-up beside one
+            chain only. At most `tree_branching`.
     """
 
     reads_decoder_states = True
@@ -122,16 +139,26 @@ class FeatureDrafter(Drafter):
         block_size: int | None = None,
         threshold: float | None = None,
         use_shortlist: bool = True,
+        tree_nodes: int | None = None,
+        tree_branching: int = 2,
+        tree_frontier: int = 2,
     ) -> None:
         block_size = model.feature_config.block_size if block_size is None else block_size
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
             raise ValueError(f"block_size must be an int >= 2, got {block_size!r}")
         if threshold is not None and not 0.0 <= threshold < 1.0:
             raise ValueError(f"threshold must be in [0, 1) or None, got {threshold!r}")
+        check_tree_options(tree_nodes, tree_branching, block_size - 1, tree_frontier)
+        if tree_nodes is not None and threshold is not None:
+            raise ValueError("threshold cuts chains of drafts; a tree (tree_nodes=) selects its nodes by cumulative "
+                             "probability instead: pass one of them")  # fmt: skip
         self.model = model
         self.block_size = block_size
         self.threshold = threshold
         self.use_shortlist = use_shortlist
+        self.tree_nodes = tree_nodes
+        self.branching = 1 if tree_nodes is None else tree_branching
+        self.frontier = 0 if tree_nodes is None else tree_frontier
 
     def prepare(self, encoder_input_ids: torch.Tensor | None, encoder_attention_mask: torch.Tensor | None) -> Any:
         shortlist = self.model.layer.shortlist if self.use_shortlist else None
@@ -187,6 +214,10 @@ class FeatureDrafter(Drafter):
             cache.block, cache.block_ready = self._compiled_block(request, cache), True
         if compiled and cache.block is not None:
             return self._draft_compiled(cache.block, request.sequences, verified, cache)
+        if self.frontier:  # trees are grown by the drafting block, run eagerly when not compiled
+            if cache.eager_block is None:
+                cache.eager_block = self._new_block(cache.projection)
+            return self._draft_compiled(cache.eager_block, request.sequences, verified, cache)
         # the step's one host read: how many verified columns to take in, and how many drafts any row can use
         width, most_drafts = torch.stack([verified.num_valid.max(), request.max_drafts.max()]).tolist()
         # (b, d): the predicted state after each row's last verified token
@@ -197,51 +228,74 @@ class FeatureDrafter(Drafter):
         # drafted positions: each row's verified cache, then this step's drafts, written after every row's entries
         positions = torch.arange(cache.filled + limit, device=device)
         visible = (positions[None, :] < cache.lengths[:, None]) | (positions[None, :] >= cache.filled)  # (b, F + n)
-        tokens, lengths = [], None
+        tokens, probabilities, lengths = [], [], None
         alive = torch.ones(batch_size, dtype=torch.bool, device=device)
         for index in range(limit):
-            token, probability = self._choose(predicted, cache)  # (b,), (b,) or None
-            tokens.append(token)
-            if probability is not None:
-                alive = alive & (probability >= self.threshold)
+            ranked, probability = self._choose(predicted, cache)  # (b, m), (b, m)
+            tokens.append(ranked)
+            probabilities.append(probability)
+            if self.threshold is not None:
+                alive = alive & (probability[:, 0] >= self.threshold)
                 lengths = alive.long() if lengths is None else lengths + alive.long()
                 if not bool(alive.any()):  # the draft loop's one host read per draft, with a threshold only
                     break
             if index + 1 < limit:
-                predicted = self._draft_next(predicted, token, cache, index, visible[:, : cache.filled + index + 1])
-        drafted = torch.stack(tokens, dim=1)  # (b, n)
+                predicted = self._draft_next(
+                    predicted, ranked[:, 0], cache, index, visible[:, : cache.filled + index + 1]
+                )
+        return self._drafts(torch.stack(tokens, dim=1), torch.stack(probabilities, dim=1), lengths)
+
+    def _drafts(self, tokens: torch.Tensor, probabilities: torch.Tensor, lengths: torch.Tensor | None) -> Drafts:
+        """A chain of each depth's best token (cut at `lengths`, or whole), or with `tree_nodes` a tree over the
+        ranked candidates `(b, n, m)` and their probabilities."""
+        if self.tree_nodes is not None:
+            return ranked_tree(tokens, probabilities, min(self.tree_nodes, tokens.shape[1] * tokens.shape[2]))
         if lengths is None:
-            lengths = torch.full((batch_size,), drafted.shape[1], dtype=torch.long, device=device)
-        return Drafts(tokens=drafted, lengths=lengths)
+            lengths = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long, device=tokens.device)
+        return Drafts(tokens=tokens[..., 0], lengths=lengths)
 
     def _compiled_block(self, request: DraftRequest, cache: FeatureDraftCache) -> CompiledModule | None:
         """The model's compiled [`FeatureDraftBlock`] for this drafter's block size and projection."""
-        projection, num_drafts = cache.projection, self.block_size - 1
-        key = f"feature_k{self.block_size}_{'full' if projection is None else projection.token_ids.shape[0]}"
-        build = lambda: FeatureDraftBlock(self.model, projection, num_drafts)  # noqa: E731
-        return compiled_block(self.model, key, build, request.compile)
+        projection = cache.projection
+        key = f"feature_k{self.block_size}_m{self.branching}_f{self.frontier}_"
+        key += "full" if projection is None else str(projection.token_ids.shape[0])
+        return compiled_block(self.model, key, lambda: self._new_block(projection), request.compile)
+
+    def _new_block(self, projection: ShortlistProjection | None) -> FeatureDraftBlock:
+        return FeatureDraftBlock(self.model, projection, self.block_size - 1, self.branching, self.frontier)
 
     def _draft_compiled(
-        self, block: CompiledModule, sequences: torch.Tensor, verified: VerifiedStates, cache: FeatureDraftCache
+        self,
+        block: CompiledModule | FeatureDraftBlock,
+        sequences: torch.Tensor,
+        verified: VerifiedStates,
+        cache: FeatureDraftCache,
     ) -> Drafts:
-        """The step's take-in and drafts in one compiled call; every row gets `block_size - 1` drafts (the feed cuts
-        them to what each row may use), so nothing is read back to the host."""
+        """The step's take-in and drafts in one call of the drafting block (compiled, or the module itself); every
+        row gets `block_size - 1` drafts or a whole tree (the feed cuts them to what each row may use), so nothing
+        is read back to the host."""
         states = verified.states.to(self.model.layer.out.weight.dtype)  # (b, W, d)
         # narrower chunks are zero-padded to the block size: one graph serves every step (padded columns are masked)
         width = max(states.shape[1], self.block_size)
         states = F.pad(states, (0, 0, 0, width - states.shape[1]))
-        self._reserve(cache, states, needed=verified.start + width + self.block_size, rounding=sequences.shape[1])
+        room = self.block_size + (self.block_size - 1) * self.frontier  # drafted slots after the chunk
+        self._reserve(cache, states, needed=verified.start + width + room, rounding=sequences.shape[1])
         encoder = cache.encoder
         start = torch.tensor(verified.start, device=states.device)
-        tokens, probabilities = block(
+        outputs = block(
             states, sequences, verified.num_valid, start, cache.keys, cache.values,
             *((None, None, None) if encoder is None else (encoder.keys, encoder.values, encoder.mask)),
         )  # fmt: skip
-        if self.threshold is None:
-            lengths = torch.full_like(verified.num_valid, tokens.shape[1])
-        else:
-            lengths = (probabilities >= self.threshold).long().cumprod(dim=1).sum(dim=1)
-        return Drafts(tokens=tokens, lengths=lengths)
+        if self.frontier:
+            tokens, parents, scores = outputs
+            depth = expanded_depths(self.block_size - 1, self.branching, self.frontier, tokens.device)
+            depth = depth.expand(tokens.shape[0], -1)
+            return select_tree(tokens, parents, depth, scores, self.tree_nodes, self.block_size - 1)
+        tokens, probabilities = outputs
+        lengths = None
+        if self.threshold is not None:
+            lengths = (probabilities[..., 0] >= self.threshold).long().cumprod(dim=1).sum(dim=1)
+        return self._drafts(tokens, probabilities, lengths)
 
     def _reserve(self, cache: FeatureDraftCache, states: torch.Tensor, needed: int, rounding: int) -> None:
         """Fixed-capacity key/value buffers for the compiled block (capacity a multiple of `rounding`, the
@@ -300,20 +354,15 @@ class FeatureDrafter(Drafter):
         cache.keys[:, :, start:end] = fresh.keys
         cache.values[:, :, start:end] = fresh.values
 
-    def _choose(self, predicted: torch.Tensor, cache: FeatureDraftCache) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft token per row from predicted states (shape `(b, d)`), and its probability with a threshold."""
+    def _choose(self, predicted: torch.Tensor, cache: FeatureDraftCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `branching` best draft tokens per row from predicted states (shape `(b, d)`), best first, and their
+        probabilities: both `(b, m)`."""
         projection = cache.projection
         if projection is None:
             logits = output_projection_logits(self.model.base_model, predicted)  # (b, V)
-            token = logits.argmax(dim=-1)
-        else:
-            logits = torch.nn.functional.linear(
-                predicted.to(projection.weight.dtype), projection.weight, projection.bias
-            )
-            token = projection.token_ids[logits.argmax(dim=-1)]
-        if self.threshold is None:
-            return token, None
-        return token, logits.float().softmax(dim=-1).amax(dim=-1)
+            return ranked_candidates(logits, None, self.branching)
+        logits = F.linear(predicted.to(projection.weight.dtype), projection.weight, projection.bias)  # (b, S)
+        return ranked_candidates(logits, projection.token_ids, self.branching)
 
     def _draft_next(
         self, predicted: torch.Tensor, token: torch.Tensor, cache: FeatureDraftCache, index: int, visible: torch.Tensor
@@ -352,11 +401,25 @@ class FeatureDraftBlock(nn.Module):
         model ([`FeatureDrafterModel`]): its layer, and the base's token embeddings and output projection.
         projection ([`ShortlistProjection`], *optional*): the shortlist rows of the output projection (kept as
             buffers, so that freezing prepacks them); `None` projects onto the whole vocabulary.
-        num_drafts (`int`): drafts per row and call, `block_size - 1`.
+        num_drafts (`int`): drafts per row and call, `block_size - 1` (the depth of a tree).
+        branching (`int`, defaults to 1): ranked candidates per drafted state (the first is the chain's token).
+        frontier (`int`, defaults to 0): `0` drafts one chain (with each depth's runners-up when `branching > 1`);
+            more grows a tree EAGLE-2's way: at each depth the `frontier` candidates of highest cumulative
+            probability are expanded together (one layer pass over `frontier` queries, each attending to its own
+            ancestors), each proposing its `branching` best children.
     """
 
-    def __init__(self, model: FeatureModel, projection: ShortlistProjection | None, num_drafts: int) -> None:
+    def __init__(
+        self,
+        model: FeatureModel,
+        projection: ShortlistProjection | None,
+        num_drafts: int,
+        branching: int = 1,
+        frontier: int = 0,
+    ) -> None:
         super().__init__()
+        self.branching = branching
+        self.frontier = frontier
         self.layer = model.layer
         self.embeddings = decoder_input_embeddings(model.base_model)
         self.base_model = model.base_model if projection is None else None
@@ -389,8 +452,8 @@ class FeatureDraftBlock(nn.Module):
             encoder_keys, encoder_values, encoder_mask: the cross-attention memory, or `None`s without one.
 
         Returns:
-            tokens (`torch.LongTensor` of shape `(b, num_drafts)`) and each draft's probability under the drafter
-            (`torch.FloatTensor` of the same shape).
+            tokens (`torch.LongTensor` of shape `(b, num_drafts, branching)`): each depth's best tokens, best first
+            (the drafts follow the first); their probabilities under the drafter (`torch.FloatTensor`, same shape).
         """
         batch, width = states.shape[:2]
         encoder = None if encoder_keys is None else AttentionMemory(encoder_keys, encoder_values, encoder_mask)
@@ -404,11 +467,14 @@ class FeatureDraftBlock(nn.Module):
         predicted = predicted[torch.arange(batch, device=states.device), (num_valid - 1).clamp(min=0)]  # (b, d)
         # drafts go after the chunk; draft i sees its row's verified slots and drafts 0..i
         filled = start + width
+        if self.frontier:
+            return self._grow(predicted, lengths, filled, keys, values, encoder)
         tokens, probabilities = [], []
         for index in range(self.num_drafts):
-            token, probability = self._choose(predicted)  # (b,), (b,)
-            tokens.append(token)
+            ranked, probability = self._choose(predicted)  # (b, m), (b, m)
+            tokens.append(ranked)
             probabilities.append(probability)
+            token = ranked[:, 0]
             if index + 1 < self.num_drafts:
                 slot = (filled + index).reshape(1)
                 visible = (slots < lengths[:, None]) | ((slots >= filled) & (slots <= slot))  # (b, C)
@@ -416,6 +482,54 @@ class FeatureDraftBlock(nn.Module):
                     predicted[:, None], token[:, None], keys, values, slot, visible[:, None, None, :], encoder
                 )[:, 0]
         return torch.stack(tokens, dim=1), torch.stack(probabilities, dim=1)
+
+    def _grow(
+        self,
+        predicted: torch.Tensor,
+        lengths: torch.Tensor,
+        filled: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        encoder: AttentionMemory | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """EAGLE-2's expansion: the `frontier` best candidates of each depth proposed together.
+
+        Drafted keys go to slots `filled + depth * frontier + j` (frontier node j); a node attends to its row's
+        verified slots and to the slots of its own path (`path`, over the `num_drafts * frontier` drafted slots).
+
+        Returns:
+            tokens, parents, scores (each of shape `(b, T)`, `T = m + (num_drafts - 1) * frontier * m`): every
+            candidate by depth, its parent among them (`-1` at depth 0) and its cumulative draft probability.
+        """
+        batch, frontier, room = predicted.shape[0], self.frontier, self.num_drafts * self.frontier
+        ranked, probability = self._choose(predicted)  # (b, m)
+        tokens, parents, scores = [ranked], [torch.full_like(ranked, -1)], [probability]
+        score, pick = probability.topk(frontier, dim=1)  # (b, B): the first frontier
+        nodes, node_tokens = pick, ranked.gather(1, pick)  # candidate index and token of each frontier node
+        states = predicted[:, None].expand(-1, frontier, -1)  # (b, B, d): the state each frontier node follows
+        path = torch.zeros(batch, frontier, room, dtype=torch.bool, device=predicted.device)
+        slots = torch.arange(keys.shape[2], device=predicted.device)  # (C,)
+        drafted = (slots - filled).clamp(0, room - 1)[None, None].expand(batch, frontier, -1)  # (b, B, C)
+        offset = ranked.shape[1]
+        for depth in range(self.num_drafts - 1):
+            own = depth * frontier + torch.arange(frontier, device=predicted.device)  # (B,)
+            path = path | torch.nn.functional.one_hot(own, room).bool()[None]
+            visible = (slots < lengths[:, None])[:, None] | (
+                path.gather(2, drafted) & (slots >= filled) & (slots < filled + room)
+            )  # (b, B, C)
+            states = self._attend(states, node_tokens, keys, values, filled + own, visible[:, None], encoder)
+            ranked, probability = self._choose(states)  # (b, B, m)
+            children = (score[..., None] * probability).reshape(batch, -1)  # (b, B * m)
+            tokens.append(ranked.reshape(batch, -1))
+            parents.append(nodes[..., None].expand_as(ranked).reshape(batch, -1))
+            scores.append(children)
+            score, pick = children.topk(frontier, dim=1)  # the next frontier
+            nodes, node_tokens = offset + pick, ranked.reshape(batch, -1).gather(1, pick)
+            came_from = (pick // self.branching)[..., None]  # (b, B, 1): its parent's frontier place
+            states = states.gather(1, came_from.expand(-1, -1, states.shape[2]))
+            path = path.gather(1, came_from.expand(-1, -1, room))
+            offset += children.shape[1]
+        return torch.cat(tokens, dim=1), torch.cat(parents, dim=1), torch.cat(scores, dim=1)
 
     def _attend(
         self,
@@ -437,14 +551,12 @@ class FeatureDraftBlock(nn.Module):
         return layer(inputs, normed, AttentionMemory(keys, values, visible), encoder)
 
     def _choose(self, predicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's draft from its predicted state `(b, d)`, with its probability."""
+        """Each row's `branching` best drafts from its predicted state `(b, d)`, with their probabilities."""
         if self.weight is None:
             logits = output_projection_logits(self.base_model, predicted)  # (b, V)
-            token = logits.argmax(dim=-1)
-        else:
-            logits = F.linear(predicted.to(self.weight.dtype), self.weight, self.bias)  # (b, S)
-            token = self.token_ids[logits.argmax(dim=-1)]
-        return token, logits.float().softmax(dim=-1).amax(dim=-1)
+            return ranked_candidates(logits, None, self.branching)
+        logits = F.linear(predicted.to(self.weight.dtype), self.weight, self.bias)  # (b, S)
+        return ranked_candidates(logits, self.token_ids, self.branching)
 
 
 def merge_verified(entries: list[VerifiedStates]) -> VerifiedStates:

@@ -10,6 +10,7 @@ from torch import nn
 
 from hf_blockwise.boundary import check_same_projection, output_projection_logits, shortlist_projection
 from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts
+from hf_blockwise.drafters.trees import check_tree_options, ranked_candidates, ranked_tree
 
 
 class HeadsModel(Protocol):
@@ -62,18 +63,32 @@ class HeadsDrafter(Drafter):
             model's block size). Fewer heads cost less per step when long blocks are rarely accepted.
         use_shortlist (`bool`, defaults to `True`): propose only among the model's vocabulary shortlist, if it
             has one (see [`BlockwiseHeadsModel.set_shortlist`]); `False` drafts over the whole vocabulary.
+        tree_nodes (`int`, *optional*): propose a tree of this many drafts per row (Medusa's trees): the chain of
+            every head's best token and each head's runners-up beside it, the best by cumulative probability
+            (`drafters/trees.py`). `None` drafts a chain.
+        tree_branching (`int`, defaults to 2): candidates per head in a tree.
     """
 
     reads_decoder_states = True
 
-    def __init__(self, model: HeadsModel, block_size: int | None = None, use_shortlist: bool = True) -> None:
+    def __init__(
+        self,
+        model: HeadsModel,
+        block_size: int | None = None,
+        use_shortlist: bool = True,
+        tree_nodes: int | None = None,
+        tree_branching: int = 2,
+    ) -> None:
         trained = model.blockwise_config.block_size
         block_size = trained if block_size is None else block_size
         if not 2 <= block_size <= trained:
             raise ValueError(f"block_size must be between 2 and the model's block size {trained}, got {block_size}")
+        check_tree_options(tree_nodes, tree_branching, block_size - 1)
         self.model = model
         self.block_size = block_size
         self.use_shortlist = use_shortlist
+        self.tree_nodes = tree_nodes
+        self.branching = 1 if tree_nodes is None else tree_branching
 
     def prepare(self, encoder_input_ids: torch.Tensor | None, encoder_attention_mask: torch.Tensor | None) -> Any:
         """The shortlist's rows of the output projection, derived once per `generate` call (slicing them every
@@ -99,19 +114,25 @@ class HeadsDrafter(Drafter):
         last_tokens = request.sequences.gather(1, (request.lengths - 1).clamp(min=0)[:, None])[:, 0]  # (B,)
         chosen = self.model.chosen_token_embeddings(last_tokens)  # (B, e) or None
         if self.model.blockwise_config.sequential:
-            tokens = self._draft_sequentially(states, chosen, request.drafter_state)  # (B, k-1)
+            tokens, probabilities = self._draft_sequentially(states, chosen, request.drafter_state)  # (B, k-1, m)
         else:
             head_states = self.model.heads(states, num_heads=self.block_size - 1, token_embeddings=chosen)
-            tokens = self._project(head_states, request.drafter_state)  # (B, k-1)
+            tokens, probabilities = self._project(head_states, request.drafter_state)  # (B, k-1, m)
+        if self.tree_nodes is not None:
+            return ranked_tree(tokens, probabilities, self.tree_nodes)
         lengths = torch.full((batch_size,), tokens.shape[1], dtype=torch.long, device=tokens.device)
-        return Drafts(tokens=tokens, lengths=lengths)
+        return Drafts(tokens=tokens[..., 0], lengths=lengths)
 
-    def _project(self, head_states: torch.Tensor, projection: ShortlistProjection | None) -> torch.Tensor:
-        """Most likely token of each head state (shape `(..., d)` -> `(...)`), over the shortlist if any."""
+    def _project(
+        self, head_states: torch.Tensor, projection: ShortlistProjection | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `branching` most likely tokens of each head state (shape `(..., d)` -> `(..., m)`), over the
+        shortlist if any, and their probabilities."""
         if projection is None:
-            return output_projection_logits(self.model.base_model, head_states).argmax(dim=-1)
+            logits = output_projection_logits(self.model.base_model, head_states)
+            return ranked_candidates(logits, None, self.branching)
         logits = torch.nn.functional.linear(head_states.to(projection.weight.dtype), projection.weight, projection.bias)
-        return projection.token_ids[logits.argmax(dim=-1)]
+        return ranked_candidates(logits, projection.token_ids, self.branching)
 
     def _draft_sequentially(
         self, states: torch.Tensor, chosen: torch.Tensor, projection: ShortlistProjection | None
@@ -122,11 +143,15 @@ class HeadsDrafter(Drafter):
             states (`torch.Tensor` of shape `(B, d)`), chosen (`torch.Tensor` of shape `(B, e)`): t_0's embedding.
 
         Returns:
-            `torch.LongTensor` of shape `(B, block_size - 1)`.
+            tokens (`torch.LongTensor` of shape `(B, block_size - 1, m)`), best first (each head reads the chain of
+            the earlier heads' best), and their probabilities.
         """
-        embedded, tokens = [chosen], []
+        embedded, tokens, probabilities = [chosen], [], []
         for index in range(self.block_size - 1):
-            token = self._project(self.model.heads.head(index, states, torch.stack(embedded, dim=1)), projection)
-            tokens.append(token)
-            embedded.append(self.model.chosen_token_embeddings(token))
-        return torch.stack(tokens, dim=1)
+            ranked, probability = self._project(
+                self.model.heads.head(index, states, torch.stack(embedded, dim=1)), projection
+            )
+            tokens.append(ranked)
+            probabilities.append(probability)
+            embedded.append(self.model.chosen_token_embeddings(ranked[:, 0]))
+        return torch.stack(tokens, dim=1), torch.stack(probabilities, dim=1)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from hf_blockwise import boundary as hf
+from hf_blockwise.generation.tree import ancestry
 
 _PROBE_LENGTH = 6  # decoder tokens per probe: start token + 5
 # what a decoder's own code raises when it cannot take a multi-token feed with a cache: an assert (ProphetNet), an
@@ -44,9 +45,17 @@ class DecoderCapability:
     Attributes:
         positions_count_non_pad (`bool`): decoder positions are numbered by counting non-pad tokens, so a pad
             must end a row's feed.
+        tree_refusal (`str`, *optional*): why the decoder cannot verify a tree of drafts in one pass
+            (`generation/tree.py`), or `None` when it can.
     """
 
     positions_count_non_pad: bool
+    tree_refusal: str | None = None
+
+    def check_trees(self, model: nn.Module) -> None:
+        """Raises an [`UnsupportedModelError`] naming the reason when `model` cannot verify trees of drafts."""
+        if self.tree_refusal is not None:
+            raise _refuse(model, f"tree drafts: {self.tree_refusal}; draft chains instead (tree_nodes=None)")
 
 
 # the verdict of each probed model (weakly keyed: it goes with the model); [`clear_verdicts`] empties it
@@ -143,11 +152,49 @@ def _probe_in_eval_mode(model: nn.Module) -> DecoderCapability:
         )  # fmt: skip
     if plain == "crop":
         raise _refuse(model, "its KV cache cannot be cropped back to a shorter prefix exactly")
-    if inputs.pad_token_id is None:
-        return DecoderCapability(positions_count_non_pad=False)
-    with_pad = inputs.decoder_tokens.clone()
-    with_pad[:, 2] = inputs.pad_token_id
-    return DecoderCapability(positions_count_non_pad=_compare_feeds(model, inputs, with_pad) is not None)
+    counts_non_pad = False
+    if inputs.pad_token_id is not None:
+        with_pad = inputs.decoder_tokens.clone()
+        with_pad[:, 2] = inputs.pad_token_id
+        counts_non_pad = _compare_feeds(model, inputs, with_pad) is not None
+    return DecoderCapability(
+        positions_count_non_pad=counts_non_pad, tree_refusal=_tree_refusal(model, inputs, counts_non_pad)
+    )
+
+
+def _tree_refusal(model: nn.Module, inputs: hf.ProbeInputs, counts_non_pad: bool) -> str | None:
+    """Why the decoder cannot take a tree feed, or `None` when a probe tree gives every node a chain's logits.
+
+    After the start token, the tree feeds t1, then a branch x and t2 both after t1, then t3 after t2: t2 and t3 must
+    get the logits of the chain t1 t2 t3 (positions by depth, and t2 must not see x), x those of the chain t1 x.
+    """
+    if counts_non_pad:
+        return "its decoder positions count non-pad tokens, so a pad in one branch would move the others"
+    reason = hf.tree_support(model)
+    if reason is not None:
+        return reason
+    tokens = inputs.decoder_tokens  # (2, T)
+    branch = tokens[:, 4:5]
+    chain = _fed_after_start(model, inputs, tokens[:, 1:4])  # (2, 3, V): t1 t2 t3
+    side = _fed_after_start(model, inputs, torch.cat([tokens[:, 1:2], branch], dim=1))[:, 1:]  # (2, 1, V): x
+    parents = torch.tensor([[-1, 0, 0, 2]], device=tokens.device).expand(tokens.shape[0], -1)
+    ancestors = ancestry(parents)
+    tree = hf.TreeInputs(depth=ancestors.sum(dim=2) - 1, ancestors=ancestors)
+    feed = torch.cat([tokens[:, 1:2], branch, tokens[:, 2:4]], dim=1)
+    cache = hf.new_decoder_cache()
+    hf.decoder_forward(model, tokens[:, :1], cache, inputs.forward_kwargs)
+    logits = hf.decoder_forward(model, feed, cache, inputs.forward_kwargs, tree=tree)[0]  # (2, 4, V)
+    expected = torch.cat([chain[:, :1], side, chain[:, 1:]], dim=1)
+    if not _close(expected, logits, has_int8_weights(model)):
+        return "a probe tree's nodes got other logits than the same tokens fed as chains"
+    return None
+
+
+def _fed_after_start(model: nn.Module, inputs: hf.ProbeInputs, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of `tokens` fed as one chain after the probe's start token."""
+    cache = hf.new_decoder_cache()
+    hf.decoder_forward(model, inputs.decoder_tokens[:, :1], cache, inputs.forward_kwargs)
+    return hf.decoder_forward(model, tokens, cache, inputs.forward_kwargs)[0]
 
 
 def _raised_by_model_code(model: nn.Module, trace: TracebackType | None) -> bool:

@@ -93,14 +93,14 @@ def finish(
 
 
 def with_engine(
-    model: nn.Module, call: hf.GenerateCall, block_size: int, blockwise_compile: bool | CompileOptions
+    model: nn.Module, call: hf.GenerateCall, feed_limit: int, blockwise_compile: bool | CompileOptions
 ) -> tuple[hf.GenerateCall, CompiledDecoder | None]:
     """The compiled engine a call verifies through, and the call with the engine's static cache in place of
     transformers' dynamic one.
 
     Args:
-        block_size (`int`): most tokens a row feeds per step (k); the static cache has room for the last step's
-            feed past the length limit ([`CompiledDecoder.new_cache`]).
+        feed_limit (`int`): most tokens a row feeds per step (k, or more with trees); the static cache has room for
+            the last step's feed past the length limit ([`CompiledDecoder.new_cache`]).
         blockwise_compile (`bool` or [`CompileOptions`]): `generate`'s argument; `False` decodes eagerly.
 
     Returns:
@@ -109,7 +109,7 @@ def with_engine(
     options = CompileOptions.coerce(blockwise_compile)
     engine = None if options is None else compiled_decoder(model, options)
     if engine is not None:
-        call = dataclasses.replace(call, cache=engine.new_cache(call.stop_rules.max_length, block_size))
+        call = dataclasses.replace(call, cache=engine.new_cache(call.stop_rules.max_length, feed_limit))
     return call, engine
 
 
@@ -128,6 +128,8 @@ def decoding_setup(
     if block_size > 1:
         check_verification_width(model, block_size)
         capability = check_decoder(model)
+        if drafter.tree_nodes is not None:
+            capability.check_trees(model)
     return DecodingSetup(
         model=model,
         drafter=drafter,
@@ -140,6 +142,7 @@ def decoding_setup(
         batch_size=call.decoder_input_ids.shape[0],
         streamer=call.streamer,
         engine=engine,
+        position_limit=hf.decoder_position_limit(model),
     )
 
 
@@ -183,7 +186,9 @@ def blockwise_generate(
         model, input_ids, stopping_criteria, generation_config, synced_gpus, streamer, inputs_tensor, model_kwargs
     )
     block_size = max(int(drafter.block_size), 1)
-    call, engine = with_engine(model, call, block_size, blockwise_compile)
+    # a row feeds its pending tokens (at most k) and its drafts: a chain's k - 1 or a tree's nodes
+    feed_limit = block_size if drafter.tree_nodes is None else block_size + drafter.tree_nodes
+    call, engine = with_engine(model, call, feed_limit, blockwise_compile)
     setup = decoding_setup(model, call, drafter, rule, logits_processor, block_size, engine)
     compiled_before = 0 if engine is None else engine.compiled_calls
     state = initial_state(call, setup)

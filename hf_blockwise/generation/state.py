@@ -81,6 +81,8 @@ class DecodingSetup:
         streamer: transformers streamer fed with row 0's new tokens, if any.
         engine ([`CompiledDecoder`], *optional*): the compiled verification forward (`blockwise_compile=`); `None`
             runs transformers' forward eagerly.
+        position_limit (`int`, *optional*): positions the decoder has (a learned table ends), `None` when unbounded:
+            a tree feed's columns are numbered by the model up to there before they are placed by depth.
     """
 
     model: nn.Module
@@ -94,6 +96,7 @@ class DecodingSetup:
     batch_size: int
     streamer: Any = None
     engine: CompiledDecoder | None = None
+    position_limit: int | None = None
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.base import DraftRequest, Drafts, VerifiedStates
 from hf_blockwise.generation.acceptance import ExactAcceptance, accepted_lengths
 from hf_blockwise.generation.state import DecodingSetup, DecodingState, StepFeed, Verdict
+from hf_blockwise.generation.tree import build_tree_feed, tree_scores, tree_step_allowed, verify_tree
 
 # larger than any sequence length: neutral element of the min/max reductions over rows
 _FAR = 1 << 40
@@ -54,11 +55,23 @@ def draft_request(state: DecodingState, setup: DecodingSetup) -> DraftRequest:
     )
 
 
-def check_drafts(drafts: Drafts, num_rows: int) -> None:
+def check_drafts(drafts: Drafts, num_rows: int, tree_nodes: int | None) -> None:
     if drafts.tokens.dim() != 2 or drafts.tokens.shape[0] != num_rows or drafts.lengths.shape != (num_rows,):
         raise ValueError(
             f"A drafter must return tokens of shape (batch_size={num_rows}, num_drafts) and lengths of shape "
             f"({num_rows},); got {tuple(drafts.tokens.shape)} and {tuple(drafts.lengths.shape)}"
+        )
+    if drafts.parents is None:
+        return
+    if drafts.parents.shape != drafts.tokens.shape:
+        raise ValueError(
+            f"A drafter's tree parents must have the shape of its tokens {tuple(drafts.tokens.shape)}; got "
+            f"{tuple(drafts.parents.shape)}"
+        )
+    if tree_nodes is None or drafts.tokens.shape[1] > tree_nodes:
+        raise ValueError(
+            f"A drafter returned a tree of {drafts.tokens.shape[1]} drafts per row but declares tree_nodes="
+            f"{tree_nodes}; set its tree_nodes to the most drafts its trees hold"
         )
 
 
@@ -379,27 +392,65 @@ def drop_finished(state: DecodingState, setup: DecodingSetup, active: torch.Tens
 
 
 def run_decoder(
-    state: DecodingState, setup: DecodingSetup, tokens: torch.Tensor
+    state: DecodingState, setup: DecodingSetup, tokens: torch.Tensor, tree: hf.TreeInputs | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The verification forward over `tokens` (shape `(b, W)`): compiled when the setup has an engine, else
-    transformers' eager forward. Returns logits `(b, W, V)` and, for drafters that read them, states `(b, W, d)`."""
+    """The verification forward over `tokens` (shape `(b, W)`), a chain or with `tree` a tree: compiled when the
+    setup has an engine, else transformers' eager forward. Returns logits `(b, W, V)` and, for drafters that read
+    them, states `(b, W, d)`."""
     capture = setup.drafter.reads_decoder_states
     if setup.engine is None:
-        return hf.decoder_forward(setup.model, tokens, state.cache, state.forward_kwargs, capture_states=capture)
-    logits, states = setup.engine.forward(tokens, state.cache, state.forward_kwargs, state.cache_length)
+        return hf.decoder_forward(
+            setup.model, tokens, state.cache, state.forward_kwargs, capture_states=capture, tree=tree
+        )
+    logits, states = setup.engine.forward(tokens, state.cache, state.forward_kwargs, state.cache_length, tree)
     return logits, states if capture else None
 
 
 def decode_step(state: DecodingState, setup: DecodingSetup) -> DecodingState:
-    """One draft-verify-accept step for every row still decoding."""
+    """One draft-verify-accept step for every row still decoding: a tree step when the drafts are a tree that the
+    step can verify as one (`generation/tree.py`), else a chain step (a tree's main chain)."""
     request = draft_request(state, setup)
     drafts = setup.drafter.get_candidates(request)
-    check_drafts(drafts, state.num_rows)
+    check_drafts(drafts, state.num_rows, setup.drafter.tree_nodes)
+    if tree_step_allowed(state, setup, drafts):
+        return tree_step(state, setup, request, drafts)
+    return chain_step(state, setup, request, drafts.main_chain())
+
+
+def chain_step(state: DecodingState, setup: DecodingSetup, request: DraftRequest, drafts: Drafts) -> DecodingState:
+    """Verifies each row's chain of drafts in one forward."""
     feed = build_feed(state, setup, drafts, request.max_drafts)
     logits, states = run_decoder(state, setup, feed.tokens)  # (b, W, V), (b, W, d) or None
     columns = decision_columns(state, feed)  # (b, N)
     scores = decision_scores(state, setup, feed, logits.float(), columns)  # (b, N, V)
     new_tokens, num_accepted = verify(scores, feed, setup, columns)
+    return conclude(state, setup, request, feed, new_tokens, num_accepted, states)
+
+
+def tree_step(state: DecodingState, setup: DecodingSetup, request: DraftRequest, drafts: Drafts) -> DecodingState:
+    """Verifies each row's tree of drafts in one forward, then keeps only the accepted path in the cache and the
+    states, so that the rest of the step is a chain's."""
+    feed, tree, parent_column = build_tree_feed(state, setup, drafts, request.max_drafts)
+    logits, states = run_decoder(state, setup, feed.tokens, tree)  # (b, W, V), (b, W, d) or None
+    scores = tree_scores(setup, logits.float())  # (b, W, V)
+    new_tokens, num_accepted, path = verify_tree(scores, feed, tree, parent_column, setup)
+    hf.compact_cache(state.cache, state.cache_length, path)
+    if states is not None:
+        states = states.gather(1, path[..., None].expand(-1, -1, states.shape[2]))  # (b, W, d), along the path
+    return conclude(state, setup, request, feed, new_tokens[:, : setup.block_size], num_accepted, states)
+
+
+def conclude(
+    state: DecodingState,
+    setup: DecodingSetup,
+    request: DraftRequest,
+    feed: StepFeed,
+    new_tokens: torch.Tensor,
+    num_accepted: torch.Tensor,
+    states: torch.Tensor | None,
+) -> DecodingState:
+    """The end of a step: stopping rules on the new tokens (accepted drafts, then the base's own), the streamer,
+    and [`advance`]."""
     setup.drafter.update_candidate_strategy(request, num_accepted)
     num_new, stopped = truncate_at_stops(state, setup, new_tokens, (num_accepted + 1) * feed.deciding)
     if setup.streamer is not None and int(num_new[0]) > 0:  # batch size 1 only

@@ -123,11 +123,23 @@ class FeatureDrafterModel(AdapterModelMixin, BaseModelWrapper):
         return hf.decoder_input_embeddings(self.base_model)(token_ids)
 
     def drafter(
-        self, block_size: int | None = None, threshold: float | str | None = "config", use_shortlist: bool = True
+        self,
+        block_size: int | None = None,
+        threshold: float | str | None = "config",
+        use_shortlist: bool = True,
+        tree_nodes: int | None = None,
+        tree_branching: int = 2,
     ) -> FeatureDrafter:
-        """The [`FeatureDrafter`] that drafts with this model; `threshold="config"` takes the config's."""
+        """The [`FeatureDrafter`] that drafts with this model; `threshold="config"` takes the config's (none for a
+        tree: `tree_nodes` drafts per row, expanded EAGLE-2's way with `tree_branching` candidates per node and as
+        many nodes expanded per depth)."""
         threshold = self.feature_config.draft_threshold if threshold == "config" else threshold
-        return FeatureDrafter(self, block_size=block_size, threshold=threshold, use_shortlist=use_shortlist)
+        if tree_nodes is not None:
+            threshold = None
+        return FeatureDrafter(
+            self, block_size=block_size, threshold=threshold, use_shortlist=use_shortlist, tree_nodes=tree_nodes,
+            tree_branching=tree_branching, tree_frontier=tree_branching,
+        )  # fmt: skip
 
     def set_shortlist(self, token_ids: torch.Tensor | None) -> None:
         """Restricts drafts to `token_ids` (e.g. [`frequent_tokens`] of the training targets); `None` removes it.

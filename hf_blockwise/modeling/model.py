@@ -159,9 +159,16 @@ class BlockwiseHeadsModel(AdapterModelMixin, BaseModelWrapper):
             return None
         return hf.decoder_input_embeddings(self.base_model)(token_ids)
 
-    def drafter(self, block_size: int | None = None, use_shortlist: bool = True) -> Drafter:
-        """The [`HeadsDrafter`] that proposes tokens with this model's heads (the first `block_size - 1`)."""
-        return HeadsDrafter(self, block_size, use_shortlist)
+    def drafter(
+        self,
+        block_size: int | None = None,
+        use_shortlist: bool = True,
+        tree_nodes: int | None = None,
+        tree_branching: int = 2,
+    ) -> Drafter:
+        """The [`HeadsDrafter`] that proposes tokens with this model's heads (the first `block_size - 1`): a chain, or
+        with `tree_nodes` a tree of each head's `tree_branching` best (Medusa's trees, selected by confidence)."""
+        return HeadsDrafter(self, block_size, use_shortlist, tree_nodes=tree_nodes, tree_branching=tree_branching)
 
     def set_shortlist(self, token_ids: Sequence[int] | torch.Tensor | None) -> None:
         """Restricts the heads' proposals to `token_ids` (e.g. [`frequent_tokens`] of the training targets).

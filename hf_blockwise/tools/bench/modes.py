@@ -1,8 +1,10 @@
 """The grammar of the bench's mode names, parsed once into a frozen [`Mode`].
 
 A mode name is a family (`greedy`, `heads`, `feature`, `iad`, `gad_pp`, `ct2`, ...), optionally sized
-(`heads_k3`, `oracle_k4`, `feature_k6_t0.3`, `feature_t0.3`), and optionally suffixed `_int8` (a few families, on
-the int8 quantized model) or `_compiled` (through the compiled engine). Everything else reads the parsed fields.
+(`heads_k3`, `oracle_k4`, `feature_k6_t0.3`, `feature_t0.3`), drafting trees when sized with nodes (`feature_k6_n10`:
+trees of 10 drafts, `feature_k6_n16_m4`: 4 candidates per node), and optionally suffixed `_int8` (a few families,
+and sized modes, on the int8 quantized model) or `_compiled` (through the compiled engine). Everything else reads the
+parsed fields.
 """
 
 from __future__ import annotations
@@ -54,7 +56,10 @@ REFERENCE_MODES = ("greedy", "greedy_int8", "greedy_compiled", "greedy_int8_comp
 
 _ORACLE = re.compile(r"oracle_k(\d+)")
 # a model drafter at another block size k and (feature drafter) draft threshold: `feature_k6_t0.3`, `heads_k3`
-_SIZED = re.compile(r"(heads|seq_heads|feature)_k(\d+)(?:_t([0-9.]+))?|feature_t([0-9.]+)")
+# and trees: `feature_k6_n10` (10 drafts per row), `feature_k6_n16_m4` (4 candidates per node), `..._int8`
+_SIZED = re.compile(
+    r"(heads|seq_heads|feature)_k(\d+)(?:_t([0-9.]+))?(?:_n(\d+)(?:_m(\d+))?)?(_int8)?|feature_t([0-9.]+)"
+)
 # the drafter ([`hf_blockwise.loading.build_drafter`]) of each drafting family, from the one registry of drafters
 _DRAFTERS = {family: kind.name for kind in DRAFTERS.values() for family in kind.bench_families}
 _BATCH_ONE_ONLY = ("prompt_lookup", "assisted")  # transformers' assisted generation decodes one row at a time
@@ -77,6 +82,8 @@ class Mode:
             (an `oracle` without k stands for one `oracle_k{k}` per configured block size).
         threshold (`float`, `"config"` or `None`): the feature drafter's draft threshold: its config's unless the
             name is sized (`feature_k6`: none; `feature_k6_t0.3`: 0.3).
+        tree_nodes (`int`, *optional*): drafts per row of a tree (`feature_k6_n10`); `None` drafts chains.
+        tree_branching (`int`): candidates per drafted state of a tree (`_m4`; default 2).
     """
 
     name: str
@@ -85,6 +92,8 @@ class Mode:
     int8: bool = False
     block_size: int | None = None
     threshold: float | str | None = "config"
+    tree_nodes: int | None = None
+    tree_branching: int = 2
 
     @classmethod
     def parse(cls, name: str) -> Mode:
@@ -99,14 +108,18 @@ class Mode:
         if oracle:
             return cls(name, "oracle", compiled=compiled, block_size=int(oracle.group(1)))
         sized = _SIZED.fullmatch(plain)
-        raw = sized and (sized.group(3) or sized.group(4))
+        raw = sized and (sized.group(3) or sized.group(7))
         if sized and (not raw or _is_number(raw)):
-            block_size = int(sized.group(2)) if sized.group(2) else None
-            threshold = float(raw) if raw else None
-            return cls(name, sized.group(1) or "feature", compiled, block_size=block_size, threshold=threshold)
+            nodes, branching = sized.group(4), sized.group(5)
+            return cls(
+                name, sized.group(1) or "feature", compiled, int8=bool(sized.group(6)),
+                block_size=int(sized.group(2)) if sized.group(2) else None, threshold=float(raw) if raw else None,
+                tree_nodes=int(nodes) if nodes else None, tree_branching=int(branching) if branching else 2,
+            )  # fmt: skip
         raise ValueError(
             f"Unknown mode {name!r}; choose from {MODE_NAMES}, oracle_k<k>, heads_k<k>, seq_heads_k<k>, feature_k<k>, "
-            "feature_k<k>_t<threshold>, feature_t<threshold> (each sized one also with a _compiled suffix)"
+            "feature_k<k>_t<threshold>, feature_t<threshold>, trees <heads|feature>_k<k>_n<nodes>[_m<branching>] (each "
+            "sized one also with _int8 and _compiled suffixes)"
         )
 
     def at_block_size(self, block_size: int) -> Mode:

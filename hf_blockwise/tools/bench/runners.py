@@ -105,7 +105,7 @@ def drafter_options(mode: Mode, setup: BenchSetup) -> DrafterOptions:
     return DrafterOptions(
         block_size=setup.gad_block_size if mode.drafter == "nar" else mode.block_size, threshold=mode.threshold,
         use_shortlist=mode.family != "heads_full_vocab", max_draft_length=setup.iad_max_draft_length,
-        realign=mode.family == "iad_realign",
+        realign=mode.family == "iad_realign", tree_nodes=mode.tree_nodes, tree_branching=mode.tree_branching,
     )  # fmt: skip
 
 

@@ -1,0 +1,143 @@
+"""Draft trees from ranked candidates, grown by confidence (EAGLE-2's rule on a drafter's own probabilities).
+
+A drafter that drafts a chain sees, at each depth, a whole distribution; its runners-up cost nothing more to
+propose. [`ranked_tree`] turns the top `m` candidates of each depth into a tree: the main chain (every depth's
+first choice) and each depth's runners-up as leaves beside the chain's node there. Every candidate is scored by its
+cumulative draft probability (the product along its path), and the best `num_nodes` are kept: EAGLE-2's dynamic
+tree, restricted to branches off the main chain (branches of branches would need more drafting passes). A node's
+score never exceeds its parent's, so the kept set is a tree; ties keep the shallower node.
+
+Verification cost on a CPU is flat up to ~8 fed tokens (`docs/results.md`), so the budget is best spent where the
+chain is least sure.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_blockwise.drafters.base import Drafts
+
+
+def tree_candidates(num_drafts: int, branching: int, frontier: int) -> int:
+    """Candidates a drafter ranks per row: `branching` per depth along one chain (`frontier` 0), or `branching` per
+    expanded node with `frontier` nodes expanded at each depth after the first."""
+    if frontier == 0:
+        return num_drafts * branching
+    return branching + (num_drafts - 1) * frontier * branching
+
+
+def check_tree_options(num_nodes: int | None, branching: int, num_drafts: int, frontier: int = 0) -> None:
+    """Raises a `ValueError` naming the option when a tree of `num_nodes` over `num_drafts` depths of `branching`
+    candidates each (`frontier` expanded per depth) cannot be grown."""
+    if num_nodes is None:
+        return
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ValueError(f"tree_nodes must be a positive int or None (a chain), got {num_nodes!r}")
+    if isinstance(branching, bool) or not isinstance(branching, int) or branching < 2:
+        raise ValueError(f"tree_branching must be an int >= 2 (candidates per depth), got {branching!r}")
+    if isinstance(frontier, bool) or not isinstance(frontier, int) or not 0 <= frontier <= branching:
+        raise ValueError(f"tree_frontier must be an int from 0 to tree_branching={branching}, got {frontier!r}")
+    if num_nodes > tree_candidates(num_drafts, branching, frontier):
+        raise ValueError(
+            f"tree_nodes={num_nodes} is more than the {tree_candidates(num_drafts, branching, frontier)} candidates "
+            f"of {num_drafts} depths (tree_branching={branching}, tree_frontier={frontier}); raise one of them"
+        )
+
+
+def ranked_tree(tokens: torch.Tensor, probabilities: torch.Tensor, num_nodes: int) -> Drafts:
+    """The best `num_nodes` of the main chain and its runners-up, as a tree (a drafter that drafts one chain and
+    ranks each depth's candidates: heads, or a feature drafter without expansion).
+
+    Args:
+        tokens (`torch.LongTensor` of shape `(b, D, m)`): at each depth, the drafter's `m` best tokens, best first
+            (depth d's candidates follow the main chain's first d tokens).
+        probabilities (`torch.FloatTensor` of shape `(b, D, m)`): their draft probabilities.
+        num_nodes (`int`): nodes kept per row (at most `D * m`).
+    """
+    batch, depths, width = tokens.shape
+    chain = probabilities[..., 0].float().cumprod(dim=1)  # (b, D): the chain through depth d
+    before = torch.cat([chain.new_ones(batch, 1), chain[:, :-1]], dim=1)  # (b, D): the chain above depth d
+    scores = before[..., None] * probabilities.float()  # (b, D, m)
+    depth = torch.arange(depths, device=tokens.device)[:, None].expand(depths, width)  # (D, m)
+    parents = torch.where(depth > 0, (depth - 1) * width, -1)  # the chain's node one depth up, at rank 0
+    return select_tree(
+        tokens.reshape(batch, -1),
+        parents.reshape(1, -1).expand(batch, -1),
+        depth.reshape(1, -1).expand(batch, -1),
+        scores.reshape(batch, -1),
+        num_nodes,
+        depths,
+    )
+
+
+def select_tree(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    depth: torch.Tensor,
+    scores: torch.Tensor,
+    num_nodes: int,
+    num_depths: int,
+) -> Drafts:
+    """The best `num_nodes` candidates by cumulative probability, as [`Drafts`] with the main chain first.
+
+    Args:
+        tokens (`torch.LongTensor` of shape `(b, T)`): candidates, ordered by depth (parents before children).
+        parents (`torch.LongTensor` of shape `(b, T)`): each candidate's parent among them, `-1` at depth 1.
+        depth (`torch.LongTensor` of shape `(b, T)`): each candidate's depth, `0..num_depths - 1`.
+        scores (`torch.FloatTensor` of shape `(b, T)`): cumulative draft probabilities (never above the parent's).
+        num_nodes (`int`): nodes kept per row.
+
+    Returns:
+        [`Drafts`] with `parents`: first the main chain (the path to the deepest kept node, the best of those), by
+        depth, then the other kept nodes in candidate order.
+    """
+    batch, total = tokens.shape
+    # a stable sort keeps the earlier candidate (shallower) first among equal scores: a parent before its child
+    kept = scores.sort(dim=1, descending=True, stable=True).indices[:, :num_nodes]  # (b, N)
+    is_kept = torch.zeros(batch, total, dtype=torch.bool, device=tokens.device).scatter(1, kept, True)
+    leaf = torch.where(is_kept, depth.float() * 2 + scores.float(), -1.0).argmax(dim=1)  # (b,): deepest, then best
+    on_chain = torch.zeros_like(is_kept)
+    node = leaf
+    for _ in range(num_depths):  # up the leaf's path, one depth per step
+        on_chain = on_chain.scatter(1, node.clamp(min=0)[:, None], (node >= 0)[:, None])
+        node = torch.where(node >= 0, parents.gather(1, node.clamp(min=0)[:, None])[:, 0], -1)
+    order_key = torch.where(on_chain, depth, total + torch.arange(total, device=tokens.device))
+    order_key = torch.where(is_kept, order_key, 3 * total)
+    order = order_key.sort(dim=1, stable=True).indices[:, :num_nodes]  # (b, N): candidate at each new index
+    new_index = torch.full_like(parents, -1).scatter(
+        1, order, torch.arange(num_nodes, device=tokens.device).expand(batch, -1)
+    )
+    old_parents = parents.gather(1, order)
+    new_parents = torch.where(old_parents >= 0, new_index.gather(1, old_parents.clamp(min=0)), -1)
+    return Drafts(
+        tokens=tokens.gather(1, order),
+        lengths=torch.full((batch,), num_nodes, dtype=torch.long, device=tokens.device),
+        parents=new_parents,
+    )
+
+
+def ranked_candidates(
+    logits: torch.Tensor, token_ids: torch.Tensor | None, branching: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A drafter's `branching` best tokens and their probabilities, best first.
+
+    Args:
+        logits (`torch.Tensor` of shape `(b, S)`): over the vocabulary, or over a shortlist `token_ids` (`(S,)`).
+
+    Returns:
+        tokens (`torch.LongTensor` of shape `(b, branching)`) and probabilities (`torch.FloatTensor`, same shape);
+        with `branching` 1 the token is the argmax, as a chain drafter takes it.
+    """
+    probabilities = logits.float().softmax(dim=-1)
+    if branching == 1:
+        best = logits.argmax(dim=-1, keepdim=True)
+        top = probabilities.gather(-1, best)
+    else:
+        top, best = probabilities.topk(branching, dim=-1)
+    return (best if token_ids is None else token_ids[best]), top
+
+
+def expanded_depths(num_drafts: int, branching: int, frontier: int, device: torch.device) -> torch.Tensor:
+    """The depth of each candidate of an expanded tree (`FeatureDraftBlock`'s order), shape `(T,)`."""
+    later = torch.arange(1, num_drafts, device=device).repeat_interleave(frontier * branching)
+    return torch.cat([torch.zeros(branching, dtype=torch.long, device=device), later])

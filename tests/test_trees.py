@@ -1,0 +1,233 @@
+"""Tree verification (`generation/tree.py`): one call verifies a tree of drafts, the longest greedy path is kept.
+
+Trees come from a drafter that is right most of the time and wrong sometimes, at every depth and on every branch:
+random trees (any shape, parents before children) whose nodes follow the greedy output with some probability. The
+output must be greedy's at batch 1, 3 and 8, eagerly and through the compiled engine; with int8 products the tree
+call's logits are bitwise a chain call's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ARCHITECTURES, VOCAB_SIZE, build_model, random_batch
+from test_exactness import assert_same_as_greedy, heads_model
+from test_feature_drafter import fitted_feature_drafter
+from test_one_arithmetic import _model, _prefilled
+
+from hf_blockwise import blockwise_generate, quantize_dynamic_int8
+from hf_blockwise import boundary as hf
+from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts
+from hf_blockwise.drafters.feature import FeatureDrafter
+from hf_blockwise.drafters.trees import ranked_tree
+from hf_blockwise.engine import CompileOptions, compiled_decoder
+from hf_blockwise.generation.capability import UnsupportedModelError
+from hf_blockwise.generation.tree import ancestry
+
+# decoders with an absolute position module take trees; T5's relative positions and M2M100's positions counted from
+# non-pad tokens are refused
+TREE_ARCHITECTURES = ("bart", "mbart", "marian", "pegasus")
+REFUSED = {"t5": "position module", "mt5": "position module", "m2m100": "non-pad"}
+# prefix-free processors keep tree steps; prefix-reading ones make the steps they act on verify the main chain
+TREE_ARGUMENTS = {
+    "max_new_tokens": {"max_new_tokens": 24},
+    "max_length": {"max_length": 17},
+    "suppress_tokens": {"suppress_tokens": [5, 6], "max_new_tokens": 24},
+    "several_eos": {"eos_token_id": [7, 11, 13], "max_new_tokens": 24},
+    "repetition_penalty": {"repetition_penalty": 1.4, "max_new_tokens": 20},
+    "min_new_tokens": {"min_new_tokens": 12, "max_new_tokens": 20},
+}
+
+
+class RandomTreeDrafter(Drafter):
+    """Random trees of `tree_nodes` drafts whose nodes continue the reference with probability `right`.
+
+    Node i's parent is a random earlier node (or the last verified token); its token is the reference's next token
+    after the path to it when that path follows the reference and a coin says so, else a random token. The first
+    `chain` nodes form the main chain.
+    """
+
+    def __init__(self, reference: torch.Tensor, block_size: int, tree_nodes: int, right: float, seed: int) -> None:
+        self.reference, self.block_size, self.tree_nodes = reference, block_size, tree_nodes
+        self.num_nodes = tree_nodes
+        self.right, self.seed = right, seed
+
+    def prepare(self, encoder_input_ids, encoder_attention_mask):
+        return self.reference
+
+    def select_rows(self, drafter_state, rows):
+        return drafter_state.index_select(0, rows)
+
+    def get_candidates(self, request: DraftRequest) -> Drafts:
+        reference = request.drafter_state
+        generator = torch.Generator().manual_seed(self.seed + int(request.lengths.sum()))
+        batch, nodes = reference.shape[0], self.num_nodes
+        parents = torch.full((batch, nodes), -1, dtype=torch.long)
+        depth = torch.zeros(batch, nodes, dtype=torch.long)  # 1 for a child of the last verified token
+        follows = torch.zeros(batch, nodes, dtype=torch.bool)
+        tokens = torch.randint(3, VOCAB_SIZE, (batch, nodes), generator=generator)
+        for node in range(nodes):
+            if node < self.block_size - 1:  # the main chain
+                parent = torch.full((batch,), node - 1)
+            else:
+                parent = (torch.rand(batch, generator=generator) * (node + 1)).long() - 1
+            parent = torch.where(depth.gather(1, parent.clamp(min=0)[:, None])[:, 0] >= self.block_size - 1, -1, parent)
+            parent_follows = torch.where(parent >= 0, follows.gather(1, parent.clamp(min=0)[:, None])[:, 0], True)
+            parent_depth = torch.where(parent >= 0, depth.gather(1, parent.clamp(min=0)[:, None])[:, 0], 0)
+            position = (request.lengths + parent_depth).clamp(max=reference.shape[1] - 1)
+            coin = torch.rand(batch, generator=generator) < self.right
+            tokens[:, node] = torch.where(
+                parent_follows & coin, reference.gather(1, position[:, None])[:, 0], tokens[:, node]
+            )
+            parents[:, node], depth[:, node] = parent, parent_depth + 1
+            follows[:, node] = parent_follows & coin
+        return Drafts(tokens=tokens, lengths=torch.full((batch,), nodes, dtype=torch.long), parents=parents)
+
+
+@pytest.mark.parametrize("arguments", sorted(TREE_ARGUMENTS))
+@pytest.mark.parametrize("architecture", TREE_ARCHITECTURES)
+def test_tree_drafts_give_greedys_output(tiny_models, architecture: str, arguments: str) -> None:
+    base = tiny_models[architecture]
+    kwargs = TREE_ARGUMENTS[arguments]
+    for batch_size, seed, block_size, nodes in [(1, 0, 3, 4), (3, 1, 4, 7), (8, 2, 5, 9)]:
+        batch = random_batch(base, batch_size, seed)
+        greedy = base.generate(**batch, do_sample=False, num_beams=1, **kwargs)
+        for right in (0.9, 0.5):
+            drafter = RandomTreeDrafter(greedy, block_size, nodes, right, seed)
+            output = base.generate(**batch, custom_generate=blockwise_generate, assistant=drafter, **kwargs)
+            assert_same_as_greedy(base, batch, greedy, output)
+
+
+def test_a_tree_accepts_a_right_branch_beside_a_wrong_chain() -> None:
+    """Every main-chain draft is wrong and every runner-up right: a chain step gains one token, a tree step two."""
+    base = build_model("marian")
+    batch = random_batch(base, 2, seed=3)
+    kwargs = {"max_new_tokens": 16, "suppress_tokens": [base.config.eos_token_id], "forced_eos_token_id": None}
+    kwargs["return_dict_in_generate"] = True
+    greedy = base.generate(**batch, do_sample=False, num_beams=1, **kwargs).sequences
+
+    class WrongChainRightSibling(Drafter):
+        block_size, tree_nodes = 4, 6
+
+        def get_candidates(self, request: DraftRequest) -> Drafts:
+            positions = (request.lengths[:, None] + torch.arange(3)).clamp(max=greedy.shape[1] - 1)
+            right = greedy[request.rows].gather(1, positions)  # (b, 3)
+            tokens = torch.stack([(right + 1) % VOCAB_SIZE, right], dim=-1)  # (b, 3, 2): the chain wrong
+            return ranked_tree(tokens, torch.tensor([0.6, 0.4]).expand(*tokens.shape).clone(), 6)
+
+    output = base.generate(**batch, custom_generate=blockwise_generate, assistant=WrongChainRightSibling(), **kwargs)
+    assert torch.equal(output.sequences, greedy)
+    gained = output.decoding_stats.accepted[:-1]  # the last step may be cut by max_new_tokens
+    assert bool((gained[gained > 0] == 2).all()), gained.T
+
+
+@pytest.mark.parametrize("architecture", ("marian", "bart"))
+def test_compiled_tree_drafts_give_the_engines_greedy(architecture: str) -> None:
+    base = build_model(architecture)
+    kwargs = {"max_new_tokens": 20, "custom_generate": blockwise_generate, "blockwise_compile": True}
+    for batch_size, seed in ((1, 0), (3, 1)):
+        batch = random_batch(base, batch_size, seed)
+        greedy = base.generate(**batch, **kwargs)
+        for right in (1.0, 0.7):
+            drafter = RandomTreeDrafter(greedy, 4, 8, right, seed)
+            assert torch.equal(base.generate(**batch, assistant=drafter, **kwargs), greedy), (batch_size, right)
+
+
+@pytest.mark.parametrize("quantized", [True, False])
+def test_a_tree_call_computes_bitwise_what_chain_calls_compute(quantized: bool) -> None:
+    """In the compiled engine (one arithmetic), every node of a tree call gets the logits of its path fed as a chain:
+    the main chain and two branches, at batch 1 and 3 (float32 stays within one sgemm path at these widths)."""
+    model = _model("bart-512")
+    model = quantize_dynamic_int8(model) if quantized else model
+    engine = compiled_decoder(model, CompileOptions())
+    parents = torch.tensor([-1, 0, 1, 2, 3, 0, 2])  # a chain of 5, then x after node 0 and y after node 2
+    for batch_size in (1, 3):
+        batch = random_batch(model, batch_size, seed=batch_size)
+        tokens = torch.randint(4, model.config.vocab_size, (batch_size, 7), generator=torch.Generator().manual_seed(7))
+        ancestors = ancestry(parents.expand(batch_size, -1))
+        tree = hf.TreeInputs(depth=ancestors.sum(dim=2) - 1, ancestors=ancestors)
+        paths = {4: [0, 1, 2, 3, 4], 5: [0, 5], 6: [0, 1, 2, 6]}  # node -> the chain that ends in it
+
+        together = _fed(engine, model, batch, tokens[:, :7], tree)
+        assert torch.equal(together[:, :5], _fed(engine, model, batch, tokens[:, paths[4]]))
+        for node in (5, 6):
+            alone = _fed(engine, model, batch, tokens[:, paths[node]])[:, -1]
+            assert torch.equal(together[:, node], alone), (batch_size, node)
+
+
+def _fed(engine, model, batch: dict, tokens: torch.Tensor, tree: hf.TreeInputs | None = None) -> torch.Tensor:
+    """Logits of `tokens` fed in one compiled call after the decoder start token (a tree with `tree`)."""
+    cache, forward_kwargs = _prefilled(engine, model, batch, max_length=32)
+    with torch.no_grad():
+        return engine.forward(tokens, cache, forward_kwargs, 1, tree)[0]
+
+
+@pytest.mark.parametrize("architecture", sorted(REFUSED))
+def test_decoders_that_cannot_take_trees_are_refused_clearly(tiny_models, architecture: str) -> None:
+    base = tiny_models[architecture]
+    batch = random_batch(base, 1, seed=0)
+    drafter = RandomTreeDrafter(torch.zeros(1, 30, dtype=torch.long), 3, 4, 0.5, 0)
+    with pytest.raises(UnsupportedModelError, match=REFUSED[architecture]):
+        base.generate(**batch, custom_generate=blockwise_generate, assistant=drafter, max_new_tokens=8)
+
+
+def test_a_drafter_returning_trees_must_declare_them(tiny_models) -> None:
+    base = tiny_models["marian"]
+    batch = random_batch(base, 1, seed=0)
+    undeclared = RandomTreeDrafter(torch.zeros(1, 30, dtype=torch.long), 3, 4, 0.5, 0)
+    undeclared.tree_nodes = 2  # returns trees of 4
+    with pytest.raises(ValueError, match="declares tree_nodes=2"):
+        base.generate(**batch, custom_generate=blockwise_generate, assistant=undeclared, max_new_tokens=8)
+
+
+def test_ranked_tree_keeps_the_best_nodes_by_cumulative_probability() -> None:
+    tokens = torch.arange(12).reshape(1, 4, 3)
+    probabilities = torch.tensor([[[0.6, 0.3, 0.1], [0.9, 0.05, 0.05], [0.5, 0.4, 0.1], [0.99, 0.01, 0.0]]])
+    drafts = ranked_tree(tokens, probabilities, 6)
+    # chain 0.6, 0.54, 0.27, 0.267; runners-up 0.3 (depth 0), 0.216 (depth 2); then 0.03 (depth 1) is left out
+    assert drafts.tokens.tolist() == [[0, 3, 6, 9, 1, 7]]
+    assert drafts.parents.tolist() == [[-1, 0, 1, 2, -1, 1]]
+    assert drafts.main_chain().lengths.tolist() == [4]
+
+
+def test_every_core_architecture_is_covered() -> None:
+    assert set(TREE_ARCHITECTURES) | set(REFUSED) == set(ARCHITECTURES)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_feature_drafter_trees_give_greedys_output(compiled: bool) -> None:
+    """A partly trained feature drafter (right sometimes) grows trees EAGLE-2's way (2 and 3 candidates per node,
+    as many expanded per depth) and as runners-up of one chain: greedy's output at batch 1 and 4, eagerly and through
+    the engine (where its drafting block is compiled at batch 1)."""
+    model, _, _ = fitted_feature_drafter("marian", steps=40)
+    base = model.base_model
+    kwargs = {"max_new_tokens": 20, "custom_generate": blockwise_generate, "blockwise_compile": compiled}
+    for batch_size, seed in ((1, 3), (4, 4)):
+        batch = random_batch(base, batch_size, seed)
+        greedy = base.generate(**batch, **kwargs)
+        for nodes, branching, frontier in ((6, 2, 2), (10, 3, 3), (5, 2, 0)):
+            drafter = FeatureDrafter(
+                model, block_size=4, tree_nodes=nodes, tree_branching=branching, tree_frontier=frontier
+            )
+            output = base.generate(**batch, assistant=drafter, **kwargs)
+            assert torch.equal(output, greedy), (batch_size, nodes, branching, frontier)
+
+
+def test_heads_trees_give_greedys_output(tiny_models) -> None:
+    base = tiny_models["bart"]
+    heads = heads_model(base, block_size=4, seed=0, zero=False)
+    for batch_size, seed in ((1, 0), (3, 1)):
+        batch = random_batch(base, batch_size, seed)
+        greedy = base.generate(**batch, do_sample=False, num_beams=1, max_new_tokens=20)
+        output = heads.generate(**batch, assistant=heads.drafter(tree_nodes=5, tree_branching=3), max_new_tokens=20)
+        assert_same_as_greedy(base, batch, greedy, output)
+
+
+def test_tree_options_are_checked() -> None:
+    model, _, _ = fitted_feature_drafter("marian", steps=0)
+    with pytest.raises(ValueError, match="tree_nodes=20 is more than the 10 candidates"):
+        FeatureDrafter(model, block_size=4, tree_nodes=20, tree_branching=2, tree_frontier=2)
+    with pytest.raises(ValueError, match="tree_frontier must be an int from 0 to tree_branching=2"):
+        FeatureDrafter(model, block_size=4, tree_nodes=6, tree_branching=2, tree_frontier=3)
+    with pytest.raises(ValueError, match="threshold cuts chains"):
+        FeatureDrafter(model, block_size=4, tree_nodes=6, threshold=0.3)
