@@ -300,7 +300,9 @@ class CompiledDecoder:
 
 
 class _DecoderStep(nn.Module):
-    """transformers' forward of `model` with the input of its output projection as a second output.
+    """transformers' forward of `model` with the input of its output projection as a second output, for a chain feed
+    or (with `depth` and `tree_mask`) a tree feed, whose positions a second hook, on the decoder's position module,
+    takes by depth (`boundary/tree.py`); it reads `depth` only while `forward` runs, like the states.
 
     The projection's forward hook is registered once, before compilation, so that dynamo traces it into the graph
     (a hook cannot be handed arguments, and one added per call would change what the graph is guarded on). So that

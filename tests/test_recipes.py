@@ -115,10 +115,22 @@ def test_self_distillation_and_feature_drafter_recipes_train_resume_and_ship(tmp
     first = subprocess.run([*command, "--max-steps", "2"], capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
     ship_dir = base_dir / "feature-drafter"
-    second = subprocess.run([*command, "--max-steps", "4", "--ship", str(ship_dir)], capture_output=True, text=True)
+    evaluating = ["--eval-steps", "1", "--eval-decoding-sentences", "2"]  # tokens per call during training
+    second = subprocess.run(
+        [*command, "--max-steps", "4", "--ship", str(ship_dir), *evaluating], capture_output=True, text=True
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     state = json.loads((out_dir / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["global_step"] == 4  # resumed from checkpoint-2
+    evaluations = [entry for entry in state["log_history"] if "eval_mean_accepted" in entry]
+    assert evaluations and evaluations[-1]["step"] == 4 and evaluations[-1]["eval_mean_accepted"] >= 1.0
+    curve = subprocess.run(
+        [sys.executable, str(REPOSITORY / "scripts" / "drafter_curve.py"), "--state", str(out_dir / "checkpoint-4" /
+         "trainer_state.json"), "--out", str(tmp_path / "curve"), "--seconds-per-step", "2"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert curve.returncode == 0, curve.stderr[-3000:]
+    assert (tmp_path / "curve" / "drafter_curve.png").is_file() and "| 0.1 | 4 |" in curve.stdout
     log = json.loads((out_dir / "feature_drafter_log.json").read_text())
     assert log["identical"] == log["num_sentences"] == 3 and len(log["step_accuracies"]) == 2
     config = json.loads((ship_dir / "feature_drafter_config.json").read_text())

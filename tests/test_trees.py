@@ -15,7 +15,7 @@ from test_exactness import assert_same_as_greedy, heads_model
 from test_feature_drafter import fitted_feature_drafter
 from test_one_arithmetic import _model, _prefilled
 
-from hf_blockwise import blockwise_generate, quantize_dynamic_int8
+from hf_blockwise import CompositeDrafter, InputCopyDrafter, blockwise_generate, quantize_dynamic_int8
 from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts
 from hf_blockwise.drafters.feature import FeatureDrafter
@@ -211,6 +211,10 @@ def test_feature_drafter_trees_give_greedys_output(compiled: bool) -> None:
             )
             output = base.generate(**batch, assistant=drafter, **kwargs)
             assert torch.equal(output, greedy), (batch_size, nodes, branching, frontier)
+        # the source copy's chains beside the drafter's trees (random sources: the copy is right rarely)
+        composite = CompositeDrafter(InputCopyDrafter(base, max_draft_length=3), FeatureDrafter(model, 4, tree_nodes=6))
+        assert composite.tree_nodes == 6
+        assert torch.equal(base.generate(**batch, assistant=composite, **kwargs), greedy)
 
 
 def test_heads_trees_give_greedys_output(tiny_models) -> None:

@@ -93,6 +93,15 @@ class TrainFeatureDrafterArguments:
     save_steps: int = field(default=200, metadata={"help": "checkpoint every N steps (resumable)"})
     train_sentences: int | None = field(default=None, metadata={"help": "use only the first N (smoke tests)"})
     eval_sentences: int = field(default=300, metadata={"help": "test sentences decoded at the end (batch 1)"})
+    eval_steps: int = field(
+        default=0,
+        metadata={
+            "help": "every N steps, decode --eval-decoding-sentences Multi30k val sentences with the drafter and log "
+            "its tokens per decoder call (eval_mean_accepted) beside the teacher-forced accuracies: the training "
+            "curve of scripts/drafter_curve.py; 0 never"
+        },
+    )
+    eval_decoding_sentences: int = field(default=50, metadata={"help": "sentences of each --eval-steps decoding"})
     max_new_tokens: int = field(default=128)
     shortlist: int | None = field(default=2000, metadata={"help": "draft among the N most frequent target tokens"})
     ship: str | None = field(default=None, metadata={"help": "also write the drafter here (inside the base dir)"})
@@ -166,14 +175,36 @@ def train(args: TrainFeatureDrafterArguments):
         logging_steps=args.logging_steps,
         save_steps=args.save_steps,
         bf16=args.bf16,
+        **_evaluation_settings(args),
     )
-    trainer = FeatureDrafterTrainer(model=model, args=training_args, train_dataset=train_dataset)
+    trainer = FeatureDrafterTrainer(
+        model=model, args=training_args, train_dataset=train_dataset, eval_dataset=_eval_dataset(args, tokenizer)
+    )
     trainer.train(resume_from_checkpoint=last_checkpoint(args.out))
     accuracies = _last_step_accuracies(trainer.state.log_history)
     if args.shortlist:
         model.set_shortlist(frequent_tokens(train_dataset["labels"], args.shortlist, always=[tokenizer.eos_token_id]))
     model.save_pretrained(os.path.join(args.out, "final"))
     return model.eval(), tokenizer, accuracies
+
+
+def _evaluation_settings(args: TrainFeatureDrafterArguments) -> dict:
+    """Periodic evaluation (`--eval-steps`): decoding at batch 1, as the shipped drafter is measured."""
+    if not args.eval_steps:
+        return {}
+    return {
+        "eval_strategy": "steps", "eval_steps": args.eval_steps, "eval_decoding_batch_size": 1,
+        "eval_decoding_samples": args.eval_decoding_sentences, "per_device_eval_batch_size": 64,
+    }  # fmt: skip
+
+
+def _eval_dataset(args: TrainFeatureDrafterArguments, tokenizer):
+    """Multi30k val's first `--eval-decoding-sentences` pairs, for `--eval-steps` (none without it)."""
+    if not args.eval_steps:
+        return None
+    sources, references = load_multi30k(str(Path(args.data_dir) / "multi30k"))["val"]
+    count = args.eval_decoding_sentences
+    return encode_dataset(tokenizer, sources[:count], references[:count])
 
 
 def _last_step_accuracies(history: list[dict]) -> list[float]:

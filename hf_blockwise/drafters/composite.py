@@ -17,12 +17,20 @@ from torch import nn
 from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts
 
 
-def _widen(drafts: Drafts, width: int) -> torch.Tensor:
-    """`drafts.tokens` padded with zeros to `width` columns."""
-    missing = width - drafts.tokens.shape[1]
+def _widen(values: torch.Tensor, width: int) -> torch.Tensor:
+    """`values` (`(b, n)`) padded with zeros to `width` columns."""
+    missing = width - values.shape[1]
     if missing <= 0:
-        return drafts.tokens
-    return torch.cat([drafts.tokens, drafts.tokens.new_zeros(drafts.tokens.shape[0], missing)], dim=1)
+        return values
+    return torch.cat([values, values.new_zeros(values.shape[0], missing)], dim=1)
+
+
+def _parents(drafts: Drafts, width: int) -> torch.Tensor:
+    """`drafts.parents` padded to `width` columns, or a chain's (`-1, 0, 1, ...`) for chain drafts."""
+    if drafts.parents is None:
+        chain = torch.arange(-1, width - 1, device=drafts.tokens.device)
+        return chain.expand(drafts.tokens.shape[0], -1)
+    return _widen(drafts.parents, width)
 
 
 class CompositeDrafter(Drafter):
@@ -30,7 +38,8 @@ class CompositeDrafter(Drafter):
 
     The model drafter still sees every step, but is asked for no drafts on rows the copy serves; when the copy
     serves every row it is only shown the step ([`Drafter.observe`]), so a feature drafter defers taking in the
-    verification's states until a step needs its drafts.
+    verification's states until a step needs its drafts. A model drafter of trees makes a drafter of trees: the
+    copy's chains are trees of one branch.
 
     Args:
         copy_drafter ([`InputCopyDrafter`]): drafts from the source.
@@ -46,6 +55,8 @@ class CompositeDrafter(Drafter):
         self.min_copy_length = min_copy_length
         self.block_size = max(copy_drafter.block_size, model_drafter.block_size)
         self.reads_decoder_states = copy_drafter.reads_decoder_states or model_drafter.reads_decoder_states
+        if model_drafter.tree_nodes is not None:
+            self.tree_nodes = max(model_drafter.tree_nodes, copy_drafter.block_size - 1)
 
     def prepare(self, encoder_input_ids: torch.Tensor | None, encoder_attention_mask: torch.Tensor | None) -> Any:
         return (
@@ -76,8 +87,11 @@ class CompositeDrafter(Drafter):
             return copy_drafts
         model_drafts = self.model_drafter.get_candidates(model_request)
         width = max(copy_drafts.tokens.shape[1], model_drafts.tokens.shape[1])
-        tokens = torch.where(use_copy[:, None], _widen(copy_drafts, width), _widen(model_drafts, width))  # (b, w)
+        tokens = torch.where(use_copy[:, None], _widen(copy_drafts.tokens, width), _widen(model_drafts.tokens, width))
         lengths = torch.where(
             use_copy, copy_drafts.lengths, model_drafts.lengths.clamp(max=model_drafts.tokens.shape[1])
         )
-        return Drafts(tokens=tokens, lengths=lengths)
+        if model_drafts.parents is None:
+            return Drafts(tokens=tokens, lengths=lengths)
+        parents = torch.where(use_copy[:, None], _parents(copy_drafts, width), _parents(model_drafts, width))
+        return Drafts(tokens=tokens, lengths=lengths, parents=parents)
