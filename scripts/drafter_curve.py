@@ -18,6 +18,8 @@ from pathlib import Path
 
 import matplotlib
 
+from hf_blockwise.serialization import atomic_write_text
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
