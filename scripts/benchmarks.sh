@@ -20,6 +20,27 @@ set_files() {
     fi
 }
 
+# issue 32: trees of drafts against chains, both sets at batch 1 and 16, CTranslate2 beside them; chains and trees of
+# equal nodes (feature_k9: a chain of 8 against feature_k5_n8: a tree of 8); the compiled call's cost by fed tokens
+# (where it stops being flat); one step's parts for a chain and a tree
+for set in multi30k europarl; do
+    set_files $set
+    hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 100 --batch-sizes 1 \
+        --threads 2 --modes greedy greedy_compiled greedy_int8_compiled feature_compiled feature_k5_compiled \
+        feature_k9_compiled feature_k5_n8_compiled feature_k6_n10_compiled feature_k6_n16_m4_compiled \
+        feature_int8_compiled feature_k6_n10_int8_compiled heads_compiled heads_k4_n6_compiled oracle_compiled \
+        ct2 ct2_int8 --oracle-block-sizes 4 6 --cost-curve --cost-curve-max-tokens 20 \
+        --out docs/bench/marian-base-$set-trees-b1
+    hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 96 --batch-sizes 16 \
+        --threads 2 --modes greedy greedy_compiled feature_compiled feature_k5_n8_compiled ct2 ct2_int8 \
+        --out docs/bench/marian-base-$set-trees-b16
+done
+set_files multi30k
+python scripts/step_profile.py --model $base --source-file $src --sentences 50 --threads 2 --block-size 5 \
+    --modes feature_compiled > docs/bench/marian-base-step-profile-trees.md
+python scripts/step_profile.py --model $base --source-file $src --sentences 50 --threads 2 --block-size 6 \
+    --tree-nodes 10 --modes feature_compiled >> docs/bench/marian-base-step-profile-trees.md
+
 # issue 31: one arithmetic for every compiled call; int8 drafting against the int8 engine's greedy, both sets at
 # batch 1 and Europarl at batch 16, CTranslate2 beside them; the int8 call's cost against its bytes; what the
 # stale-weight check costs

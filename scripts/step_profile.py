@@ -83,6 +83,8 @@ def main() -> None:
     parser.add_argument("--sentences", type=int, default=100)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=None, help="the feature drafter's k (default: its config's)")
+    parser.add_argument("--tree-nodes", type=int, default=None, help="draft trees of this many nodes (default: chains)")
+    parser.add_argument("--tree-branching", type=int, default=2, help="candidates per node of a tree")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument("--int8", action="store_true", help="the int8 model (base and drafter quantized)")
@@ -97,12 +99,15 @@ def main() -> None:
     if loaded.feature_model is None:
         raise SystemExit(f"{args.model} ships no feature-drafter/ folder")
     base, tokenizer = loaded.base, loaded.tokenizer
-    drafter = loaded.feature_model.drafter(block_size=args.block_size)
+    drafter = loaded.feature_model.drafter(
+        block_size=args.block_size, tree_nodes=args.tree_nodes, tree_branching=args.tree_branching
+    )
     sources = read_lines(args.source_file)[: args.sentences]
     weights = "int8" if args.int8 else "float32 base, int8 drafter" if args.int8_drafter else "float32"
     print(
         f"ms per sentence, {len(sources)} sentences, batch 1, {args.threads} threads, "
         f"k = {drafter.block_size}, {weights}"
+        + ("" if args.tree_nodes is None else f", trees of {args.tree_nodes} nodes, {args.tree_branching} per node")
     )
     print(
         "| mode | verification | drafting | bookkeeping | generate (fixed) | total "

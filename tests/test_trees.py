@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import ARCHITECTURES, VOCAB_SIZE, build_model, random_batch
+from test_every_architecture import EXTRA
 from test_exactness import assert_same_as_greedy, heads_model
 from test_feature_drafter import fitted_feature_drafter
 from test_one_arithmetic import _model, _prefilled
@@ -235,3 +236,22 @@ def test_tree_options_are_checked() -> None:
         FeatureDrafter(model, block_size=4, tree_nodes=6, tree_branching=2, tree_frontier=3)
     with pytest.raises(ValueError, match="threshold cuts chains"):
         FeatureDrafter(model, block_size=4, tree_nodes=6, threshold=0.3)
+
+
+@pytest.mark.parametrize("architecture", EXTRA)
+def test_every_architecture_takes_trees_exactly_or_refuses_them(architecture: str) -> None:
+    """Beyond the core architectures: random trees give greedy's output (batch 1 and 5, a prefix-free processor so
+    that tree steps run), or the decoder is refused with an `UnsupportedModelError` that says why; its chains and
+    plain greedy still decode."""
+    base = build_model(architecture)
+    kwargs = {"max_new_tokens": 16, "suppress_tokens": [5]}
+    for batch_size, seed in ((1, 0), (5, 1)):
+        batch = random_batch(base, batch_size, seed)
+        greedy = base.generate(**batch, do_sample=False, num_beams=1, **kwargs)
+        drafter = RandomTreeDrafter(greedy, 4, 7, 0.8, seed)
+        try:
+            output = base.generate(**batch, custom_generate=blockwise_generate, assistant=drafter, **kwargs)
+        except UnsupportedModelError as error:
+            assert "tree drafts:" in str(error), error
+            return
+        assert_same_as_greedy(base, batch, greedy, output)

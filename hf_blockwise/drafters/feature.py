@@ -37,7 +37,7 @@ from hf_blockwise.drafters.trees import (
     expanded_depths,
     ranked_candidates,
     ranked_tree,
-    select_tree,
+    select_tree_tensors,
 )
 from hf_blockwise.engine import CompiledModule, compiled_block
 
@@ -257,12 +257,14 @@ class FeatureDrafter(Drafter):
     def _compiled_block(self, request: DraftRequest, cache: FeatureDraftCache) -> CompiledModule | None:
         """The model's compiled [`FeatureDraftBlock`] for this drafter's block size and projection."""
         projection = cache.projection
-        key = f"feature_k{self.block_size}_m{self.branching}_f{self.frontier}_"
+        key = f"feature_k{self.block_size}_m{self.branching}_f{self.frontier}_n{self.tree_nodes}_"
         key += "full" if projection is None else str(projection.token_ids.shape[0])
         return compiled_block(self.model, key, lambda: self._new_block(projection), request.compile)
 
     def _new_block(self, projection: ShortlistProjection | None) -> FeatureDraftBlock:
-        return FeatureDraftBlock(self.model, projection, self.block_size - 1, self.branching, self.frontier)
+        return FeatureDraftBlock(
+            self.model, projection, self.block_size - 1, self.branching, self.frontier, self.tree_nodes
+        )
 
     def _draft_compiled(
         self,
@@ -286,11 +288,10 @@ class FeatureDrafter(Drafter):
             states, sequences, verified.num_valid, start, cache.keys, cache.values,
             *((None, None, None) if encoder is None else (encoder.keys, encoder.values, encoder.mask)),
         )  # fmt: skip
-        if self.frontier:
-            tokens, parents, scores = outputs
-            depth = expanded_depths(self.block_size - 1, self.branching, self.frontier, tokens.device)
-            depth = depth.expand(tokens.shape[0], -1)
-            return select_tree(tokens, parents, depth, scores, self.tree_nodes, self.block_size - 1)
+        if self.frontier:  # the block selected the tree
+            tokens, parents = outputs
+            lengths = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long, device=tokens.device)
+            return Drafts(tokens=tokens, lengths=lengths, parents=parents)
         tokens, probabilities = outputs
         lengths = None
         if self.threshold is not None:
@@ -407,6 +408,8 @@ class FeatureDraftBlock(nn.Module):
             more grows a tree EAGLE-2's way: at each depth the `frontier` candidates of highest cumulative
             probability are expanded together (one layer pass over `frontier` queries, each attending to its own
             ancestors), each proposing its `branching` best children.
+        num_nodes (`int`, *optional*): with a `frontier`, the tree's size: the best `num_nodes` candidates by
+            cumulative probability are selected inside the block.
     """
 
     def __init__(
@@ -416,10 +419,12 @@ class FeatureDraftBlock(nn.Module):
         num_drafts: int,
         branching: int = 1,
         frontier: int = 0,
+        num_nodes: int | None = None,
     ) -> None:
         super().__init__()
         self.branching = branching
         self.frontier = frontier
+        self.num_nodes = num_nodes
         self.layer = model.layer
         self.embeddings = decoder_input_embeddings(model.base_model)
         self.base_model = model.base_model if projection is None else None
@@ -454,6 +459,7 @@ class FeatureDraftBlock(nn.Module):
         Returns:
             tokens (`torch.LongTensor` of shape `(b, num_drafts, branching)`): each depth's best tokens, best first
             (the drafts follow the first); their probabilities under the drafter (`torch.FloatTensor`, same shape).
+            With a `frontier`: the tree's tokens and parents instead (`(b, num_nodes)` each, [`_grow`]).
         """
         batch, width = states.shape[:2]
         encoder = None if encoder_keys is None else AttentionMemory(encoder_keys, encoder_values, encoder_mask)
@@ -491,15 +497,15 @@ class FeatureDraftBlock(nn.Module):
         keys: torch.Tensor,
         values: torch.Tensor,
         encoder: AttentionMemory | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """EAGLE-2's expansion: the `frontier` best candidates of each depth proposed together.
 
         Drafted keys go to slots `filled + depth * frontier + j` (frontier node j); a node attends to its row's
         verified slots and to the slots of its own path (`path`, over the `num_drafts * frontier` drafted slots).
 
         Returns:
-            tokens, parents, scores (each of shape `(b, T)`, `T = m + (num_drafts - 1) * frontier * m`): every
-            candidate by depth, its parent among them (`-1` at depth 0) and its cumulative draft probability.
+            tokens and parents (`(b, num_nodes)`): the best `num_nodes` of every candidate (`m + (num_drafts - 1) *
+            frontier * m`) by cumulative draft probability, as [`select_tree`] lays a tree out.
         """
         batch, frontier, room = predicted.shape[0], self.frontier, self.num_drafts * self.frontier
         ranked, probability = self._choose(predicted)  # (b, m)
@@ -529,7 +535,9 @@ class FeatureDraftBlock(nn.Module):
             states = states.gather(1, came_from.expand(-1, -1, states.shape[2]))
             path = path.gather(1, came_from.expand(-1, -1, room))
             offset += children.shape[1]
-        return torch.cat(tokens, dim=1), torch.cat(parents, dim=1), torch.cat(scores, dim=1)
+        tokens, parents, scores = torch.cat(tokens, dim=1), torch.cat(parents, dim=1), torch.cat(scores, dim=1)
+        depth = expanded_depths(self.num_drafts, self.branching, frontier, tokens.device).expand(batch, -1)
+        return select_tree_tensors(tokens, parents, depth, scores, self.num_nodes, self.num_drafts)
 
     def _attend(
         self,

@@ -91,6 +91,20 @@ def select_tree(
         [`Drafts`] with `parents`: first the main chain (the path to the deepest kept node, the best of those), by
         depth, then the other kept nodes in candidate order.
     """
+    kept_tokens, kept_parents = select_tree_tensors(tokens, parents, depth, scores, num_nodes, num_depths)
+    lengths = torch.full((tokens.shape[0],), num_nodes, dtype=torch.long, device=tokens.device)
+    return Drafts(tokens=kept_tokens, lengths=lengths, parents=kept_parents)
+
+
+def select_tree_tensors(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    depth: torch.Tensor,
+    scores: torch.Tensor,
+    num_nodes: int,
+    num_depths: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[`select_tree`] as tensors (for a compiled drafting block): the kept tokens and parents, `(b, num_nodes)`."""
     batch, total = tokens.shape
     # a stable sort keeps the earlier candidate (shallower) first among equal scores: a parent before its child
     kept = scores.sort(dim=1, descending=True, stable=True).indices[:, :num_nodes]  # (b, N)
@@ -109,11 +123,7 @@ def select_tree(
     )
     old_parents = parents.gather(1, order)
     new_parents = torch.where(old_parents >= 0, new_index.gather(1, old_parents.clamp(min=0)), -1)
-    return Drafts(
-        tokens=tokens.gather(1, order),
-        lengths=torch.full((batch,), num_nodes, dtype=torch.long, device=tokens.device),
-        parents=new_parents,
-    )
+    return tokens.gather(1, order), new_parents
 
 
 def ranked_candidates(

@@ -45,21 +45,15 @@ class DecoderCapability:
     Attributes:
         positions_count_non_pad (`bool`): decoder positions are numbered by counting non-pad tokens, so a pad
             must end a row's feed.
-        tree_refusal (`str`, *optional*): why the decoder cannot verify a tree of drafts in one pass
-            (`generation/tree.py`), or `None` when it can.
     """
 
     positions_count_non_pad: bool
-    tree_refusal: str | None = None
-
-    def check_trees(self, model: nn.Module) -> None:
-        """Raises an [`UnsupportedModelError`] naming the reason when `model` cannot verify trees of drafts."""
-        if self.tree_refusal is not None:
-            raise _refuse(model, f"tree drafts: {self.tree_refusal}; draft chains instead (tree_nodes=None)")
 
 
 # the verdict of each probed model (weakly keyed: it goes with the model); [`clear_verdicts`] empties it
 _VERDICTS: weakref.WeakKeyDictionary[nn.Module, DecoderCapability | UnsupportedModelError] = weakref.WeakKeyDictionary()
+# whether each model probed for trees takes them: `None`, or why not
+_TREE_VERDICTS: weakref.WeakKeyDictionary[nn.Module, str | None] = weakref.WeakKeyDictionary()
 
 
 def check_decoder(model: nn.Module) -> DecoderCapability:
@@ -86,8 +80,26 @@ def clear_verdicts(model: nn.Module | None = None) -> None:
     e.g. after changing the model's config or upgrading transformers in a running process."""
     if model is None:
         _VERDICTS.clear()
+        _TREE_VERDICTS.clear()
     else:
         _VERDICTS.pop(model, None)
+        _TREE_VERDICTS.pop(model, None)
+
+
+def check_tree_decoder(model: nn.Module, capability: DecoderCapability) -> None:
+    """Raises an [`UnsupportedModelError`] naming the reason when `model`, which passed [`check_decoder`], cannot
+    verify a tree of drafts in one pass (`generation/tree.py`); probed once per model, only for drafters of trees."""
+    if model not in _TREE_VERDICTS:
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                _TREE_VERDICTS[model] = _tree_refusal(model, capability.positions_count_non_pad)
+        finally:
+            model.train(was_training)
+    refusal = _TREE_VERDICTS[model]
+    if refusal is not None:
+        raise _refuse(model, f"tree drafts: {refusal}; draft chains instead (tree_nodes=None)")
 
 
 def check_verification_width(model: nn.Module, block_size: int) -> None:
@@ -152,17 +164,14 @@ def _probe_in_eval_mode(model: nn.Module) -> DecoderCapability:
         )  # fmt: skip
     if plain == "crop":
         raise _refuse(model, "its KV cache cannot be cropped back to a shorter prefix exactly")
-    counts_non_pad = False
-    if inputs.pad_token_id is not None:
-        with_pad = inputs.decoder_tokens.clone()
-        with_pad[:, 2] = inputs.pad_token_id
-        counts_non_pad = _compare_feeds(model, inputs, with_pad) is not None
-    return DecoderCapability(
-        positions_count_non_pad=counts_non_pad, tree_refusal=_tree_refusal(model, inputs, counts_non_pad)
-    )
+    if inputs.pad_token_id is None:
+        return DecoderCapability(positions_count_non_pad=False)
+    with_pad = inputs.decoder_tokens.clone()
+    with_pad[:, 2] = inputs.pad_token_id
+    return DecoderCapability(positions_count_non_pad=_compare_feeds(model, inputs, with_pad) is not None)
 
 
-def _tree_refusal(model: nn.Module, inputs: hf.ProbeInputs, counts_non_pad: bool) -> str | None:
+def _tree_refusal(model: nn.Module, counts_non_pad: bool) -> str | None:
     """Why the decoder cannot take a tree feed, or `None` when a probe tree gives every node a chain's logits.
 
     After the start token, the tree feeds t1, then a branch x and t2 both after t1, then t3 after t2: t2 and t3 must
@@ -173,6 +182,18 @@ def _tree_refusal(model: nn.Module, inputs: hf.ProbeInputs, counts_non_pad: bool
     reason = hf.tree_support(model)
     if reason is not None:
         return reason
+    inputs = hf.probe_inputs(model, _PROBE_LENGTH)
+    try:
+        return _probe_tree(model, inputs)
+    except _REFUSAL_TYPES as error:
+        if not _raised_by_model_code(model, error.__traceback__):
+            raise
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        return f"its decoder fails on a tree feed ({type(error).__name__}: {first_line})"
+
+
+def _probe_tree(model: nn.Module, inputs: hf.ProbeInputs) -> str | None:
+    """[`_tree_refusal`]'s probe: `None` when the tree's logits are the chains'."""
     tokens = inputs.decoder_tokens  # (2, T)
     branch = tokens[:, 4:5]
     chain = _fed_after_start(model, inputs, tokens[:, 1:4])  # (2, 3, V): t1 t2 t3

@@ -19,7 +19,7 @@ from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.base import Drafter, NoDrafter
 from hf_blockwise.engine import CompiledDecoder, CompileOptions, compiled_decoder
 from hf_blockwise.generation.acceptance import AcceptanceRule, ExactAcceptance, check_rule_fits
-from hf_blockwise.generation.capability import check_decoder, check_verification_width
+from hf_blockwise.generation.capability import check_decoder, check_tree_decoder, check_verification_width
 from hf_blockwise.generation.state import DecodingSetup, DecodingState, DecodingStats
 from hf_blockwise.generation.step import decode_step
 
@@ -129,7 +129,7 @@ def decoding_setup(
         check_verification_width(model, block_size)
         capability = check_decoder(model)
         if drafter.tree_nodes is not None:
-            capability.check_trees(model)
+            check_tree_decoder(model, capability)
     return DecodingSetup(
         model=model,
         drafter=drafter,
