@@ -20,7 +20,7 @@ from hf_blockwise import CompositeDrafter, InputCopyDrafter, blockwise_generate,
 from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts
 from hf_blockwise.drafters.feature import FeatureDrafter
-from hf_blockwise.drafters.trees import ranked_tree
+from hf_blockwise.drafters.trees import ranked_tree, select_tree
 from hf_blockwise.engine import CompileOptions, compiled_decoder
 from hf_blockwise.generation.capability import UnsupportedModelError
 from hf_blockwise.generation.tree import ancestry
@@ -136,8 +136,10 @@ def test_compiled_tree_drafts_give_the_engines_greedy(architecture: str) -> None
 
 @pytest.mark.parametrize("quantized", [True, False])
 def test_a_tree_call_computes_bitwise_what_chain_calls_compute(quantized: bool) -> None:
-    """In the compiled engine (one arithmetic), every node of a tree call gets the logits of its path fed as a chain:
-    the main chain and two branches, at batch 1 and 3 (float32 stays within one sgemm path at these widths)."""
+    """In the compiled engine (one arithmetic), every node of this tree call gets the logits of its path fed as a chain:
+    the main chain and two branches, at batch 1 and 3 (float32 stays within one sgemm path at these widths). Not a
+    guarantee for every model and tree: on marian-base-en-de a side branch's node can differ in the last bits
+    (`generation/tree.py`)."""
     model = _model("bart-512")
     model = quantize_dynamic_int8(model) if quantized else model
     engine = compiled_decoder(model, CompileOptions())
@@ -255,3 +257,18 @@ def test_every_architecture_takes_trees_exactly_or_refuses_them(architecture: st
             assert "tree drafts:" in str(error), error
             return
         assert_same_as_greedy(base, batch, greedy, output)
+
+
+def test_select_tree_lays_every_parent_before_its_children() -> None:
+    """The deepest kept node may be shallower than the candidates' depths (the walk up its path then passes the
+    root): the main chain still comes first, and every parent before its children, as a bitwise tree call needs
+    (attention sums a node's ancestors in slot order)."""
+    tokens = torch.arange(7)[None]
+    parents = torch.tensor([[-1, -1, 0, 0, 1, 2, 4]])
+    depth = torch.tensor([[0, 0, 1, 1, 1, 2, 2]])
+    scores = torch.tensor([[0.6, 0.4, 0.5, 0.1, 0.2, 0.45, 0.05]])
+    drafts = select_tree(tokens, parents, depth, scores, num_nodes=5, num_depths=4)
+    # kept: 0, 2, 5, 1, 4; the deepest kept is 5 (depth 2 of 4), its path 0 -> 2 -> 5 comes first
+    assert drafts.tokens.tolist() == [[0, 2, 5, 1, 4]]
+    assert drafts.parents.tolist() == [[-1, 0, 1, -1, 3]]
+    assert bool((drafts.parents < torch.arange(5)).all())

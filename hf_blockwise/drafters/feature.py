@@ -122,9 +122,10 @@ class FeatureDrafter(Drafter):
             below this, so the verification pass does not pay for tokens likely to be rejected. `None` always
             drafts `block_size - 1`. Deciding when every row has stopped reads the device once per draft.
         use_shortlist (`bool`, defaults to `True`): draft among the model's shortlist, if it has one.
-        tree_nodes (`int`, *optional*): propose a tree of this many drafts per row instead of a chain: the main chain
-            and each depth's runners-up, the best by cumulative draft probability (`drafters/trees.py`), all verified
-            in one call. `None` drafts a chain. Not combined with `threshold` (the tree's own selection replaces it).
+        tree_nodes (`int`, *optional*): propose a tree of this many drafts per row instead of a chain, all verified
+            in one call: grown EAGLE-2's way (`tree_frontier`), the best by cumulative draft probability
+            (`drafters/trees.py`). `None` drafts a chain. Not combined with `threshold` (the tree's own selection
+            replaces it).
         tree_branching (`int`, defaults to 2): candidates per drafted state of a tree (best first).
         tree_frontier (`int`, defaults to 2): how many nodes of each depth of a tree are expanded (EAGLE-2: those of
             highest cumulative probability, drafted together in one layer pass); `0` ranks runners-up beside one

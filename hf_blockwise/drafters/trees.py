@@ -113,7 +113,8 @@ def select_tree_tensors(
     on_chain = torch.zeros_like(is_kept)
     node = leaf
     for _ in range(num_depths):  # up the leaf's path, one depth per step
-        on_chain = on_chain.scatter(1, node.clamp(min=0)[:, None], (node >= 0)[:, None])
+        index = node.clamp(min=0)[:, None]  # past the root (node -1) a row keeps what index 0 holds
+        on_chain = on_chain.scatter(1, index, on_chain.gather(1, index) | (node >= 0)[:, None])
         node = torch.where(node >= 0, parents.gather(1, node.clamp(min=0)[:, None])[:, 0], -1)
     order_key = torch.where(on_chain, depth, total + torch.arange(total, device=tokens.device))
     order_key = torch.where(is_kept, order_key, 3 * total)
