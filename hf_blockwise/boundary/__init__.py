@@ -111,6 +111,7 @@ from hf_blockwise.boundary.models import (
 from hf_blockwise.boundary.probes import ProbeInputs, check_output_projection, probe_inputs
 from hf_blockwise.boundary.processors import (
     StopRules,
+    apply_prefix_free_processors,
     check_row_local_processors,
     is_row_local,
     processor_acts_at,
@@ -139,6 +140,7 @@ __all__ = [
     "TreeInputs",
     "adapt_generate_call",
     "adapter_base",
+    "apply_prefix_free_processors",
     "base_location",
     "base_weights_fingerprint",
     "capture_output_projection_input",

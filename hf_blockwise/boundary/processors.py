@@ -77,6 +77,23 @@ def processor_ignores_prefix(processor: Any) -> bool:
     return False
 
 
+def apply_prefix_free_processors(processors: Any, scores: torch.Tensor) -> torch.Tensor:
+    """The processors that ignore the prefix ([`processor_ignores_prefix`]), in order, on scores of any leading shape
+    `(..., vocab_size)` in one call each: their composition at every position.
+
+    Returns:
+        `torch.Tensor` of the shape of `scores` (`scores` itself when no processor ignores the prefix).
+    """
+    prefix_free = [processor for processor in processors if processor_ignores_prefix(processor)]
+    if not prefix_free:
+        return scores
+    flat = scores.reshape(-1, scores.shape[-1])
+    no_prefix = flat.new_zeros((flat.shape[0], 1), dtype=torch.long)
+    for processor in prefix_free:  # called directly: these known processors take no extra arguments
+        flat = processor(no_prefix, flat)
+    return flat.reshape(scores.shape)
+
+
 def processor_acts_at(processor: Any, length: int) -> bool:
     """Whether a logits processor may change the scores when the prefix has `length` tokens.
 

@@ -177,16 +177,13 @@ def decision_scores(
     processors = setup.logits_processor
     if len(processors) == 0:
         return logits.gather(1, columns[..., None].expand(-1, -1, vocab_size))
-    block = logits[:, first:]  # (b, C, V)
-    prefix_free = [p for p in processors if hf.processor_ignores_prefix(p)]
-    if prefix_free:
-        flat = block.reshape(-1, vocab_size)  # (b * C, V)
-        no_prefix = flat.new_zeros((flat.shape[0], 1), dtype=torch.long)
-        for processor in prefix_free:  # called directly: these known processors take no extra arguments
-            flat = processor(no_prefix, flat)
-        block = flat.reshape(block.shape)
+    block = hf.apply_prefix_free_processors(processors, logits[:, first:])  # (b, C, V)
     needs_prefix = [
-        any(hf.processor_acts_at(p, state.cache_length + column + 1) for p in processors if p not in prefix_free)
+        any(
+            hf.processor_acts_at(p, state.cache_length + column + 1)
+            for p in processors
+            if not hf.processor_ignores_prefix(p)
+        )
         for column in range(first, width)
     ]
     if any(needs_prefix):

@@ -106,13 +106,7 @@ def build_tree_feed(
 def tree_scores(setup: DecodingSetup, logits: torch.Tensor) -> torch.Tensor:
     """Processed scores at every column, shape `(b, W, V)`: only processors that ignore the prefix act on a tree
     step ([`tree_step_allowed`]), so one call over all columns is their composition."""
-    vocab_size = logits.shape[2]
-    flat = logits.reshape(-1, vocab_size)
-    no_prefix = flat.new_zeros((flat.shape[0], 1), dtype=torch.long)
-    for processor in setup.logits_processor:
-        if hf.processor_ignores_prefix(processor):
-            flat = processor(no_prefix, flat)
-    return flat.reshape(logits.shape)
+    return hf.apply_prefix_free_processors(setup.logits_processor, logits)
 
 
 def verify_tree(
