@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates every benchmark figure quoted in docs/results.md (about 75 minutes on a 2-core CPU; run it on an
+# Regenerates every benchmark figure quoted in docs/results.md (about 2 hours on a 2-core CPU; run it on an
 # otherwise idle machine: timings are ratios measured in the same run, but a busy machine skews them).
 # Needs the offline data sets in ../shared/data beside the repository, and `pip install -e .[ctranslate2]` for the
 # CTranslate2 rows.
@@ -19,6 +19,38 @@ set_files() {
         src=$data/europarl_de_en/validation.en; ref=$data/europarl_de_en/validation.de
     fi
 }
+
+# issue 33: beam search through the loop (4 beams): transformers' beam search, ours without drafts (eager and
+# compiled), with the feature drafter's chains and trees (each beam's 3 best children per depth, 10 nodes), CTranslate2's
+# beam 4 (float32, int8), batch 1 and 16; the ceiling of drafting under beams (steps per call, perfect chains and trees)
+for set in multi30k europarl; do
+    set_files $set
+    sentences=100; [ $set = europarl ] && sentences=50  # news sentences are ~3x longer
+    hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences $sentences --batch-sizes 1 \
+        --threads 2 --modes greedy beam4 loop_b4 greedy_compiled_b4 feature_b4 feature_compiled_b4 \
+        feature_k4_n10_m3_compiled_b4 ct2_b4 ct2_int8_b4 --out docs/bench/marian-base-$set-beam4-b1
+    hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 48 --batch-sizes 16 \
+        --threads 2 --modes greedy beam4 loop_b4 greedy_compiled_b4 feature_compiled_b4 ct2_b4 ct2_int8_b4 \
+        --out docs/bench/marian-base-$set-beam4-b16
+    python scripts/beam_ceiling.py --model $base --source-file $src --sentences $sentences --num-beams 4 \
+        > docs/bench/marian-base-$set-beam4-ceiling.md
+done
+
+# issue 32: the ceiling of trees: perfect trees of 10 and 16 nodes (oracle chains of as many drafts)
+for set in multi30k europarl; do
+    set_files $set
+    hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 100 --batch-sizes 1 \
+        --threads 2 --modes greedy greedy_compiled feature_k6_n10_compiled feature_k6_n16_m4_compiled oracle_compiled \
+        --oracle-block-sizes 11 17 --out docs/bench/marian-base-$set-tree-ceiling-b1
+done
+# issue 32: identity of trees on 300 sentences each (compiled, against the engine's greedy; int8 against int8)
+for set in multi30k europarl; do
+    set_files $set
+    python scripts/divergences.py --compiled --drafter feature --source-file $src --sentences 300 --threads 2 \
+        --block-size 6 --tree-nodes 10 > docs/bench/marian-base-$set-tree-divergences.md
+    python scripts/divergences.py --compiled --drafter feature --source-file $src --sentences 300 --threads 2 \
+        --block-size 6 --tree-nodes 16 --tree-branching 4 --no-int8 >> docs/bench/marian-base-$set-tree-divergences.md
+done
 
 # issue 32: trees of drafts against chains, both sets at batch 1 and 16, CTranslate2 beside them; chains and trees of
 # equal nodes (feature_k9: a chain of 8 against feature_k5_n8: a tree of 8); the compiled call's cost by fed tokens
@@ -97,7 +129,7 @@ hf-blockwise bench --model $base --source-file $data/multi30k/test_2016_flickr.e
 # the int8 kernel candidates, one thread
 python scripts/int8_kernels.py --threads 1
 # where int8 drafting leaves int8 greedy on the news set, and the top-2 gaps there
-python scripts/int8_divergences.py --model $base --drafter feature --source-file $data/europarl_de_en/validation.en \
+python scripts/divergences.py --model $base --drafter feature --source-file $data/europarl_de_en/validation.en \
     --sentences 40 --threads 2
 # its decoder cost curve (eager and compiled, 1..8 tokens), the step profile (float32 and int8) and peak memory
 hf-blockwise bench --model $base --source-file $data/multi30k/test_2016_flickr.en.gz --sentences 3 --batch-sizes 1 \

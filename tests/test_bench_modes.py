@@ -102,7 +102,33 @@ def test_tree_modes_parse_their_nodes_and_branching() -> None:
     assert Mode.parse("heads_k3_int8").on_int8_model and Mode.parse("feature_k5").tree_nodes is None
 
 
-@pytest.mark.parametrize("name", ["beam4_compiled", "heads_k3_n", "feature_t0.3.4", "loop_int8", "nope"])
+def test_beam_modes_parse_their_beams_and_compare_with_transformers_beam_search() -> None:
+    """`beam<N>`: transformers' beam search (compared with greedy); a chain mode of the loop or CTranslate2 with
+    `_b<N>` last: a beam search of N beams, compared with `beam<N>`, which runs before it."""
+    assert (Mode.parse("beam5").family, Mode.parse("beam5").num_beams, Mode.parse("beam5").reference) == (
+        "beam", 5, "greedy"
+    )  # fmt: skip
+    ours = Mode.parse("feature_k5_compiled_b4")
+    assert (ours.family, ours.block_size, ours.compiled, ours.num_beams, ours.reference) == (
+        "feature", 5, True, 4, "beam4"
+    )  # fmt: skip
+    assert Mode.parse("greedy_compiled_b3").reference == "beam3" and Mode.parse("ct2_int8_b4").int8
+    assert not Mode.parse("ct2_b4").cpu_only and Mode.parse("loop").num_beams == 1
+    tree = Mode.parse("feature_k4_n10_compiled_b4")
+    assert (tree.tree_nodes, tree.num_beams, tree.reference) == (10, 4, "beam4")
+    for name, match in (
+        ("greedy_b4", "transformers' beam search is beam<N>"), ("iad_b4", "follows a mode of"),
+        ("loop_b4_b2", "follows a mode of"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            Mode.parse(name)
+    base = build_model("marian")
+    setup = BenchSetup(LoadedModel(base=base, tokenizer=None, feature_model=FeatureDrafterModel(base)))
+    names = [mode.name for mode in available_modes(setup, ["feature_compiled_b4", "loop_b2"])]
+    assert names == ["greedy", "beam2", "beam4", "feature_compiled_b4", "loop_b2"]
+
+
+@pytest.mark.parametrize("name", ["beam4_compiled", "heads_k3_n", "feature_t0.3.4", "loop_int8", "nope", "beam1"])
 def test_unknown_modes_are_refused(name: str) -> None:
     with pytest.raises(ValueError, match=f"Unknown mode {name!r}"):
         Mode.parse(name)

@@ -17,6 +17,7 @@ from conftest import build_model, word_tokenizer
 from hf_blockwise import BlockwiseHeadsConfig, BlockwiseHeadsModel
 from hf_blockwise.corpus import generate_corpus, plan_batches
 from hf_blockwise.loading import default_max_new_tokens, load_model
+from hf_blockwise.tools.bench import Mode
 from hf_blockwise.tools.cli import main
 
 CHECKPOINT_LIMIT = 5  # the saved generation_config's max_new_tokens: short, so that outputs reach it
@@ -107,9 +108,9 @@ def test_the_checkpoints_generation_config_is_the_default_length(tmp_path, model
     assert f"blockwise: {greedy(model_dir, sources[:1], 1)[0].strip()}   [identical: True]" in out
 
 
-def test_the_demo_of_a_checkpoint_that_defaults_to_beams_compares_greedy_and_says_so(tmp_path, capsys) -> None:
-    """opus-mt's and BART-CNN's generation_config ask for 4 beams: the demo decodes greedy both ways (what blockwise
-    decoding reproduces) and says so, rather than a traceback from the refusal of beams."""
+def test_the_demo_of_a_checkpoint_that_defaults_to_beams_runs_its_beams(tmp_path, capsys) -> None:
+    """opus-mt's and BART-CNN's generation_config ask for 4 beams: the demo decodes 4 beams both ways (transformers'
+    beam search and the blockwise beam loop), identical; `--num-beams 1` decodes greedy."""
     directory = tmp_path / "beams"
     base = build_model("marian", seed=3)
     base.generation_config.num_beams = 4
@@ -120,7 +121,16 @@ def test_the_demo_of_a_checkpoint_that_defaults_to_beams_compares_greedy_and_say
     )
     status, out, _ = run_cli(capsys, "demo", "--model", str(directory), "--repeats", "1", "--no-compile", "w5 w6 w7")
     assert status == 0, out
-    assert "asks for num_beams=4" in out and "[identical: True]" in out
+    assert "beam 4:" in out and "[identical: True]" in out and "beam steps per decoder call" in out
+    beams = BlockwiseHeadsModel.from_pretrained(str(directory)).base_model.generate(
+        **word_tokenizer()(["w5 w6 w7"], return_tensors="pt")
+    )
+    text = word_tokenizer().decode(beams[0], skip_special_tokens=True).strip()
+    assert f"blockwise: {text}   [identical: True]" in out
+    status, out, _ = run_cli(
+        capsys, "demo", "--model", str(directory), "--repeats", "1", "--no-compile", "--num-beams", "1", "w5 w6 w7"
+    )
+    assert status == 0 and "greedy:" in out and "tokens per decoder call" in out
 
 
 def test_the_default_length_without_max_new_tokens_is_generates() -> None:
@@ -285,3 +295,41 @@ def test_a_read_only_output_directory_is_a_usage_error(tmp_path, model_dir, caps
         if immutable:
             subprocess.run(["chattr", "-i", str(read_only)], check=True)
         read_only.chmod(0o755)
+
+
+def test_the_bench_device_is_checked_before_anything_loads(capsys) -> None:
+    """`--device` names a device torch has here, and one every requested mode runs on: torch's int8 products
+    (`_int8` modes, `feature_int8d`) run on a CPU, CTranslate2's int8 on its own devices."""
+    config = ["bench", "--model-config", "opus-mt-en-de", "--tiny-model-config"]
+    status, _, err = run_cli(capsys, *config, "--device", "cpu:x")
+    assert status == 2 and "--device 'cpu:x'" in err
+    if not torch.cuda.is_available():
+        status, _, err = run_cli(capsys, *config, "--device", "cuda")
+        assert status == 2 and "torch sees no CUDA device here" in err
+    # any device but a CPU (meta stands in for a GPU here): the int8 modes are named, CTranslate2's int8 is not
+    status, _, err = run_cli(capsys, *config, "--device", "meta", "--modes", "greedy", "greedy_int8", "ct2_int8")
+    assert status == 2 and "the modes greedy_int8 quantize" in err
+    status, _, err = run_cli(capsys, "bench", "--device", "meta")  # a model's default modes hold int8 ones
+    assert status == 2 and "greedy_int8_compiled, feature_int8_compiled quantize" in err
+    assert Mode.parse("greedy_int8_compiled").cpu_only and Mode.parse("feature_k6_n10_int8").cpu_only
+    assert Mode.parse("feature_int8d").cpu_only
+    assert not Mode.parse("ct2_int8").cpu_only and not Mode.parse("feature_compiled").cpu_only
+
+
+def test_generate_runs_beam_search_with_num_beams(tmp_path, model_dir, capsys) -> None:
+    """`--num-beams 3`: the corpus is transformers' beam search of 3 beams, line for line (drafted by the heads);
+    `--num-beams` and the same key in `--generate-kwargs` must agree."""
+    sources = random_sources(10, seed=4)
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(sources) + "\n")
+    # the tiny model repeats its likeliest word: forbidding repeats gives beam search choices to make
+    expected = greedy(model_dir, sources, 4, num_beams=3, no_repeat_ngram_size=1)
+    assert expected != greedy(model_dir, sources, 4, no_repeat_ngram_size=1)  # beams decide some lines
+    output = tmp_path / "beams.txt"
+    arguments = ("--num-beams", "3", "--generate-kwargs", '{"no_repeat_ngram_size": 1}')
+    status, _, err = run_cli(capsys, *generate_arguments(model_dir, source, output, *arguments))
+    assert status == 0, err
+    assert output.read_text().splitlines() == expected
+    clash = generate_arguments(model_dir, source, tmp_path / "x.txt", "--num-beams", "3")
+    status, _, err = run_cli(capsys, *clash, "--generate-kwargs", '{"num_beams": 2}')
+    assert status != 0 and "num_beams is given twice" in err

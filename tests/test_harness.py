@@ -23,6 +23,7 @@ from hf_blockwise.tools.bench import (
     usable_batch_sizes,
     write_report,
 )
+from hf_blockwise.tools.bench.runners import padded_after_eos
 from hf_blockwise.tools.cli import main
 from hf_blockwise.tools.model_configs import MODEL_CONFIGS, resolve_name
 from hf_blockwise.tools.model_configs import build_model as build_shaped_model
@@ -242,3 +243,29 @@ def test_model_size_script_tabulates_the_bench_reports(tmp_path) -> None:
     cost = next(line for line in text.splitlines() if line.startswith("| bart-large |") and "x (a=" not in line)
     assert cost.endswith(f"| {curve['2'] / curve['1']:.2f} | {curve['3'] / curve['1']:.2f} |")
     assert "| t5-base |" in text and "expected speedup ≈ oracle speedup at k × a / a_oracle(k)" in text
+
+
+def test_the_bench_runs_beam_search_modes_against_transformers_beam_search(tmp_path, capsys) -> None:
+    """`beam4` (transformers'), the loop's beam search without drafts and with the feature drafter: identical to
+    `beam4`, with the same generated tokens counted (beam search's EOS fill after a row's end counts as padding)."""
+    out = tmp_path / "bench"
+    model = str(Path(__file__).parents[1] / "hf_blockwise" / "pretrained" / "multi30k-en-de")
+    arguments = ["bench", "--model", model, "--sentences", "4", "--batch-sizes", "1", "2", "--max-new-tokens", "24"]
+    assert main([*arguments, "--modes", "greedy", "beam4", "loop_b4", "feature_b4", "--out", str(out)]) == 0
+    capsys.readouterr()
+    rows = {(row["mode"], row["batch_size"]): row for row in json.loads((out / "bench.json").read_text())["results"]}
+    for batch_size in (1, 2):
+        for mode in ("loop_b4", "feature_b4"):
+            assert rows[mode, batch_size]["identical_rate"] == 1.0, mode
+            assert rows[mode, batch_size]["target_tokens"] == rows["beam4", batch_size]["target_tokens"], mode
+    assert rows["loop_b4", 1]["mean_accepted"] == 1.0 and rows["feature_b4", 1]["mean_accepted"] >= 1.0
+
+
+def test_beam_outputs_are_padded_after_their_end_as_greedy_pads() -> None:
+    """Beam search fills a finished row with EOS where the pad id is 0: the bench counts those as padding."""
+    config = SimpleNamespace(eos_token_id=2, pad_token_id=0)
+    beams = torch.tensor([[2, 5, 6, 2, 2, 2], [2, 7, 2, 2, 2, 2], [2, 8, 9, 10, 11, 12]])  # BART-style start = EOS
+    run = padded_after_eos(lambda batch, earlier: beams, config)
+    expected = torch.tensor([[2, 5, 6, 2, 0, 0], [2, 7, 2, 0, 0, 0], [2, 8, 9, 10, 11, 12]])
+    assert torch.equal(run({}, {}), expected)
+    assert [len(generated_tokens(row, 0)) for row in run({}, {})] == [3, 2, 5]

@@ -207,7 +207,8 @@ def test_streamer_receives_every_token_then_end(tiny_models, through: str) -> No
     ("kwargs", "message"),
     [
         ({"do_sample": True}, "reproduces greedy search.*'sample'"),
-        ({"num_beams": 3}, "reproduces greedy search.*'beam_search'"),
+        ({"num_beams": 3, "do_sample": True}, "reproduces greedy search and beam search.*'beam_sample'"),
+        ({"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 0.5}, "'group_beam_search'"),
         ({"penalty_alpha": 0.6, "top_k": 4}, "contrastive_search"),
         ({"output_scores": True}, "output_scores=True is not supported"),
         ({"use_cache": False}, "needs the KV cache"),

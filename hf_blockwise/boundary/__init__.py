@@ -8,6 +8,8 @@ range below (`pyproject.toml`): when transformers changes, this is the one packa
 
 Modules, each importing only those listed before it (and none of them this package's `__init__`):
 
+- `beam`: transformers' beam search one step at a time (`beam_search_step` over its own vectorized helpers), its
+  state and options, its output (`BlockwiseBeamOutput`), and which beam searches the beam loop can reproduce.
 - `cache`: the croppable dynamic cache of the loop, the static caches of the compiled engine, and cropping and row
   selection for both.
 - `tree`: a tree of drafts through the decoder forward: positions by depth (a hook on the position module),
@@ -29,16 +31,27 @@ Modules, each importing only those listed before it (and none of them this packa
 - `trainer`: what the trainers take from transformers' `Trainer` (`TRAINING_ARGS_NAME`); not re-exported here,
   so that importing hf_blockwise does not import `transformers.trainer`.
 
-Everything public of the first nine is re-exported here: `from hf_blockwise import boundary as hf; hf.crop_cache`
+Everything public of the first ten is re-exported here: `from hf_blockwise import boundary as hf; hf.crop_cache`
 and `from hf_blockwise.boundary import crop_cache` both work. Patch a name in the module that looks it up
 (`hf_blockwise.boundary.cache.crop_cache`), not here.
 """
 
+from hf_blockwise.boundary.beam import (
+    BeamOptions,
+    BeamSearchState,
+    BlockwiseBeamOutput,
+    beam_options,
+    beam_search_output,
+    beam_search_step,
+    initial_beam_search,
+    validate_beam_config,
+)
 from hf_blockwise.boundary.cache import (
     crop_cache,
     is_static_cache,
     loop_decoder_cache,
     new_decoder_cache,
+    reorder_cache_rows,
     select_cache_rows,
     static_cache_capacity,
     static_cache_mask,
@@ -54,6 +67,7 @@ from hf_blockwise.boundary.generate_call import (
     encoder_hidden_states,
     forward_kwargs,
     generate_call_argument,
+    is_beam_search,
     pad_token_tensor,
     select_forward_rows,
     stop_string_kwargs,
@@ -133,6 +147,9 @@ TESTED_TRANSFORMERS_RANGE = ">=5.23,<5.24"
 __all__ = [
     "TESTED_TRANSFORMERS_RANGE",
     "BaseModelWrapper",
+    "BeamOptions",
+    "BeamSearchState",
+    "BlockwiseBeamOutput",
     "BlockwiseGenerateOutput",
     "GenerateCall",
     "ProbeInputs",
@@ -143,6 +160,9 @@ __all__ = [
     "apply_prefix_free_processors",
     "base_location",
     "base_weights_fingerprint",
+    "beam_options",
+    "beam_search_output",
+    "beam_search_step",
     "capture_output_projection_input",
     "check_block_size_fits",
     "check_decoder_length",
@@ -179,7 +199,9 @@ __all__ = [
     "from_hub",
     "generate_call_argument",
     "has_file",
+    "initial_beam_search",
     "input_embeddings",
+    "is_beam_search",
     "is_row_local",
     "is_static_cache",
     "load_encoder_decoder",
@@ -194,6 +216,7 @@ __all__ = [
     "processor_acts_at",
     "processor_ignores_prefix",
     "project_columns",
+    "reorder_cache_rows",
     "resolve_file",
     "resolved_base_location",
     "same_fingerprint",
@@ -211,6 +234,7 @@ __all__ = [
     "tree_support",
     "unpin_static_cache",
     "unwrap_base",
+    "validate_beam_config",
     "validate_generation_config",
     "validate_segment_options",
     "warn_if_other_base",

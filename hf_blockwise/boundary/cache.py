@@ -60,6 +60,24 @@ def select_cache_rows(cache: EncoderDecoderCache, rows: torch.Tensor) -> None:
     cache.cross_attention_cache.batch_select_indices(rows)
 
 
+def reorder_cache_rows(cache: EncoderDecoderCache, rows: torch.Tensor, length: int) -> None:
+    """Row `i` of the self-attention cache becomes row `rows[i]` (beam search's reorder; `rows` may repeat), in place,
+    for its first `length` positions (the rest of a static buffer is stale and never attended to).
+
+    Cross-attention is left as it is: beam search reorders beams within a row of the caller's batch, whose beams
+    share one source, so their cross-attention entries are equal. A static cache keeps its buffers (a copy into
+    them), so compiled graphs and CUDA graphs keep their addresses; only the positions in use move, not the whole
+    capacity (at batch 16 and 4 beams, copying it all cost more than the decoder call).
+    """
+    for layer in cache.self_attention_cache.layers:
+        if is_static_cache(cache):
+            for buffer in (layer.keys, layer.values):  # (rows, heads, capacity, head_dim)
+                used = buffer[:, :, :length]
+                used.copy_(used.index_select(0, rows))
+        else:
+            layer.reorder_cache(rows)
+
+
 def static_decoder_cache(num_layers: int, max_cache_len: int) -> EncoderDecoderCache:
     """An encoder-decoder cache whose self-attention layers are preallocated buffers of `max_cache_len` positions
     (transformers' `StaticLayer`, one per decoder layer), for the compiled engine.

@@ -25,6 +25,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateEncoderDecoderOutput
 from transformers.utils import ModelOutput
 
+from hf_blockwise.boundary.beam import validate_beam_config
 from hf_blockwise.boundary.cache import loop_decoder_cache
 from hf_blockwise.boundary.inputs import check_decoder_length, warn_unmasked_padding
 from hf_blockwise.boundary.media import encoder_output_mask, validate_segment_options
@@ -40,21 +41,26 @@ _UNSUPPORTED_FLAGS = {
 }
 
 
+def is_beam_search(generation_config: GenerationConfig) -> bool:
+    """Whether a `generate` call asks for beam search (`num_beams > 1`, no sampling): the blockwise beam loop's."""
+    return generation_config.get_generation_mode() == GenerationMode.BEAM_SEARCH
+
+
 def validate_generation_config(generation_config: GenerationConfig) -> None:
     """Raises a `ValueError` naming the first `generate` argument that blockwise decoding cannot honour.
 
-    Blockwise decoding reproduces *greedy* search; every other mode (sampling, beam search, contrastive
-    search, DoLa, transformers' own assisted generation) changes what "the right output" is.
+    Blockwise decoding reproduces *greedy* search (and beam search, [`validate_beam_config`]); every other mode
+    (sampling, group beam search, contrastive search, DoLa, transformers' own assisted generation) changes what
+    "the right output" is.
     """
     mode = generation_config.get_generation_mode()
     if mode != GenerationMode.GREEDY_SEARCH:
         raise ValueError(
-            f"Blockwise decoding reproduces greedy search, but these generate arguments select {mode.value!r} "
-            f"(do_sample={generation_config.do_sample}, num_beams={generation_config.num_beams}, "
+            f"Blockwise decoding reproduces greedy search and beam search, but these generate arguments select "
+            f"{mode.value!r} (do_sample={generation_config.do_sample}, num_beams={generation_config.num_beams}, "
             f"penalty_alpha={generation_config.penalty_alpha}, "
-            f"prompt_lookup_num_tokens={generation_config.prompt_lookup_num_tokens}). Use do_sample=False and "
-            "num_beams=1, or call the base model's generate without hf_blockwise (the automatic-speech-recognition "
-            "pipeline adds num_beams=5 unless generate_kwargs or the model's generation config set num_beams)."
+            f"prompt_lookup_num_tokens={generation_config.prompt_lookup_num_tokens}). Use do_sample=False, or call "
+            "the base model's generate without hf_blockwise."
         )
     validate_segment_options(generation_config)
     if getattr(generation_config, "dola_layers", None) is not None:
@@ -142,10 +148,14 @@ def adapt_generate_call(
     if synced_gpus:
         raise ValueError("synced_gpus=True is not supported by blockwise decoding")
     check_no_assistant_model()
-    validate_generation_config(generation_config)
+    beams = is_beam_search(generation_config)
+    if beams:
+        validate_beam_config(generation_config)
+    else:
+        validate_generation_config(generation_config)
     model_kwargs = decoder_prompt_kwargs(model_kwargs)
     rules = split_stopping_criteria(stopping_criteria, generation_config)
-    if rules.others and rules.eos_token_ids is None:
+    if rules.others and rules.eos_token_ids is None and not beams:  # beam search calls the criteria themselves
         raise ValueError(
             "Custom stopping criteria are supported together with an eos_token_id only: without one, greedy "
             "search keeps extending rows that have stopped, which blockwise decoding does not reproduce"

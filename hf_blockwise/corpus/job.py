@@ -289,19 +289,24 @@ def generate_corpus(
     return run_job(job, overwrite=overwrite, progress=progress)
 
 
-def merged_generate_kwargs(max_new_tokens: int | None, generate_kwargs: Any) -> dict[str, Any]:
-    """`generate_kwargs` with `max_new_tokens` when it is given (else the checkpoint's `generation_config` sets the
-    length, as in `model.generate()`); a `ValueError` for arguments that are no dict, or a limit given twice."""
+def merged_generate_kwargs(
+    max_new_tokens: int | None, generate_kwargs: Any, num_beams: int | None = None
+) -> dict[str, Any]:
+    """`generate_kwargs` with `max_new_tokens` and `num_beams` when they are given (else the checkpoint's
+    `generation_config` sets them, as in `model.generate()`); a `ValueError` for arguments that are no dict, or a
+    value given twice."""
     if generate_kwargs is not None and not isinstance(generate_kwargs, dict):
         raise ValueError(
             f"generate_kwargs / --generate-kwargs must be a dict (a JSON object) of generate arguments, got "
             f'{type(generate_kwargs).__name__}: e.g. {{"no_repeat_ngram_size": 3}}'
         )
     merged = dict(generate_kwargs or {})
-    if max_new_tokens is not None:
-        if "max_new_tokens" in merged and merged["max_new_tokens"] != max_new_tokens:
-            raise ValueError("max_new_tokens is given twice, in generate_kwargs and as max_new_tokens: give it once")
-        merged["max_new_tokens"] = max_new_tokens
+    for name, value in (("max_new_tokens", max_new_tokens), ("num_beams", num_beams)):
+        if value is None:
+            continue
+        if name in merged and merged[name] != value:
+            raise ValueError(f"{name} is given twice, in generate_kwargs and as {name}: give it once")
+        merged[name] = value
     return merged
 
 

@@ -172,6 +172,14 @@ def _references_by_mode(runners: Mapping[str, Runner], reference: str | Mapping[
     return {mode: expected for mode, expected in pairs.items() if mode in runners}
 
 
+def wall_clock() -> float:
+    """`time.perf_counter()` once the GPU has finished what was queued (CUDA runs kernels asynchronously, so a
+    timer read right after a call would stop before its work did); on a CPU, the counter alone."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def _timed_run(
     runner: Runner, batch: Batch, earlier: Mapping[str, Any], counters: Sequence[DecoderCallCounter], repeats: int
 ) -> tuple[Any, float, int]:
@@ -181,9 +189,9 @@ def _timed_run(
         counter.reset()
     output, times, forwards = None, [], 0
     for repeat in range(repeats):
-        start = time.perf_counter()
+        start = wall_clock()
         result = runner(batch, earlier)
-        times.append(time.perf_counter() - start)
+        times.append(wall_clock() - start)
         if repeat == 0:
             stats = getattr(result, "decoding_stats", None)
             compiled = 0 if stats is None or not counters else stats.compiled_forwards

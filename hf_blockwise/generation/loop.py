@@ -13,12 +13,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.base import Drafter, NoDrafter
 from hf_blockwise.engine import CompiledDecoder, CompileOptions, compiled_decoder
 from hf_blockwise.generation.acceptance import AcceptanceRule, ExactAcceptance, check_rule_fits
+from hf_blockwise.generation.beam import BeamSetup, beam_search, initial_beam_state
 from hf_blockwise.generation.capability import check_decoder, check_tree_decoder, check_verification_width
 from hf_blockwise.generation.state import DecodingSetup, DecodingState, DecodingStats
 from hf_blockwise.generation.step import decode_step
@@ -30,10 +31,12 @@ def _validate_call(
     assistant: Drafter | None,
     acceptance: AcceptanceRule | None,
     logits_processor: LogitsProcessorList,
+    beams: bool,
 ) -> tuple[Drafter, AcceptanceRule]:
     hf.encoder_decoder_only(model)
     hf.check_materialized(model)
-    if input_ids.shape[0] > 1:  # one row has no other rows to read
+    # beam search calls the processors on every live beam, as transformers does; one row has no other rows to read
+    if input_ids.shape[0] > 1 and not beams:
         hf.check_row_local_processors(logits_processor or [])
     if input_ids.shape[0] == 0:
         raise ValueError("generate was called with an empty batch (batch size 0)")
@@ -47,6 +50,11 @@ def _validate_call(
     rule = ExactAcceptance() if acceptance is None else acceptance
     if not isinstance(rule, AcceptanceRule):
         raise TypeError(f"acceptance= takes an AcceptanceRule such as ExactAcceptance(), got {type(rule).__name__}")
+    if beams and not isinstance(rule, ExactAcceptance):
+        raise ValueError(
+            f"beam search keeps what its own steps select; acceptance={type(rule).__name__}() applies to greedy "
+            "decoding only (pass num_beams=1, or no acceptance=)"
+        )
     check_rule_fits(rule, max(int(drafter.block_size), 1))
     drafter.check_base(model)
     return drafter, rule
@@ -146,6 +154,35 @@ def decoding_setup(
     )
 
 
+def beam_generate(
+    model: nn.Module,
+    call: hf.GenerateCall,
+    drafter: Drafter,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    blockwise_compile: bool | CompileOptions,
+) -> torch.Tensor | hf.BlockwiseBeamOutput:
+    """Beam search through the blockwise loop (`generation/beam.py`), for a `generate` call with `num_beams > 1`:
+    the output of transformers' beam search, each forward verifying a chain or a tree of drafts per live beam."""
+    block_size = max(int(drafter.block_size), 1)
+    feed_limit = block_size if drafter.tree_nodes is None else 1 + drafter.tree_nodes
+    call, engine = with_engine(model, call, feed_limit, blockwise_compile)
+    if block_size > 1:
+        check_verification_width(model, feed_limit)
+        capability = check_decoder(model)
+        if drafter.tree_nodes is not None:
+            check_tree_decoder(model, capability)
+    setup = BeamSetup(
+        model=model, drafter=drafter, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+        options=hf.beam_options(generation_config, call.decoder_input_ids, generation_config.max_length),
+        block_size=block_size, filler_token_id=call.filler_token_id, engine=engine,
+        position_limit=hf.decoder_position_limit(model),
+    )  # fmt: skip
+    compiled_before = 0 if engine is None else engine.compiled_calls
+    return beam_search(initial_beam_state(call, setup), setup, compiled_before)
+
+
 def blockwise_generate(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -181,10 +218,15 @@ def blockwise_generate(
         `torch.LongTensor` of shape `(batch_size, sequence_length)`, or a [`BlockwiseGenerateOutput`] with
         `decoding_stats` when `return_dict_in_generate=True`.
     """
-    drafter, rule = _validate_call(model, input_ids, assistant, acceptance, logits_processor)
+    beams = hf.is_beam_search(generation_config)
+    drafter, rule = _validate_call(model, input_ids, assistant, acceptance, logits_processor, beams)
     call = hf.adapt_generate_call(
         model, input_ids, stopping_criteria, generation_config, synced_gpus, streamer, inputs_tensor, model_kwargs
     )
+    if beams:
+        return beam_generate(
+            model, call, drafter, logits_processor, stopping_criteria, generation_config, blockwise_compile
+        )
     block_size = max(int(drafter.block_size), 1)
     # a row feeds its pending tokens (at most k) and its drafts: a chain's k - 1 or a tree's nodes
     feed_limit = block_size if drafter.tree_nodes is None else block_size + drafter.tree_nodes

@@ -106,8 +106,11 @@ def load_translator(model_dir: str, compute_type: str, threads: int, device: str
     return ctranslate2.Translator(model_dir, device=device, compute_type=compute_type, intra_threads=threads)
 
 
-def greedy_runner(translator: ctranslate2.Translator, tokenizer: Any, base: nn.Module, limit: int) -> Runner:
-    """A bench runner: CTranslate2 greedy search on a tokenized batch, returned as `generate` would return it.
+def greedy_runner(
+    translator: ctranslate2.Translator, tokenizer: Any, base: nn.Module, limit: int, beam_size: int = 1
+) -> Runner:
+    """A bench runner: CTranslate2 greedy search (with `beam_size > 1`, its beam search: its own, whose length
+    normalization and stopping are not transformers') on a tokenized batch, returned as `generate` would return it.
 
     Returns:
         `runner(batch, earlier)` giving a `torch.LongTensor` of shape `(batch_size, length)`: the decoder start
@@ -124,7 +127,7 @@ def greedy_runner(translator: ctranslate2.Translator, tokenizer: Any, base: nn.M
             for ids, mask in zip(batch["input_ids"], batch["attention_mask"], strict=True)
         ]
         results = translator.translate_batch(
-            sources, beam_size=1, max_decoding_length=limit, min_decoding_length=0, return_end_token=True,
+            sources, beam_size=beam_size, max_decoding_length=limit, min_decoding_length=0, return_end_token=True,
             suppress_sequences=suppressed,
         )  # fmt: skip
         rows = [[start, *tokenizer.convert_tokens_to_ids(result.hypotheses[0])] for result in results]

@@ -4,7 +4,6 @@ implies for modes that feed the same number of tokens every step."""
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,7 +12,7 @@ from torch import nn
 
 from hf_blockwise import boundary as hf
 from hf_blockwise.engine import CompiledDecoder, CompileOptions, compiled_decoder
-from hf_blockwise.evaluation.harness import ModeResult
+from hf_blockwise.evaluation.harness import ModeResult, wall_clock
 from hf_blockwise.tools.bench.modes import Mode
 from hf_blockwise.tools.bench.setup import BenchSetup
 
@@ -78,14 +77,14 @@ def _time_cached_forward(
     if engine is None:
         cache = hf.new_decoder_cache()
         hf.decoder_forward(base, prefix, cache, forward_kwargs)
-        begin = time.perf_counter()
+        begin = wall_clock()
         hf.decoder_forward(base, fed, cache, forward_kwargs)
-        return time.perf_counter() - begin
+        return wall_clock() - begin
     cache = engine.new_cache(prefix.shape[1] + num_tokens + 1)
     engine.forward(prefix, cache, forward_kwargs, cache_length=0)
-    begin = time.perf_counter()
+    begin = wall_clock()
     engine.forward(fed, cache, forward_kwargs, cache_length=prefix.shape[1])
-    return time.perf_counter() - begin
+    return wall_clock() - begin
 
 
 def speedup_ceiling(curve: Sequence[tuple[int, float]], mean_accepted: float, tokens_fed: int) -> float:

@@ -36,11 +36,16 @@ def ct2_unavailable(setup: BenchSetup) -> str | None:
     return None
 
 
+def _replay(outputs: dict[int, Any]) -> Runner:
+    """A runner that returns what a mode of the main pass output for each batch (no decoding, untimed in effect)."""
+    return lambda batch, _: outputs[id(batch)]
+
+
 def measure_ct2(
     setup: BenchSetup,
     modes: Sequence[Mode],
     batches: Sequence[Batch],
-    greedy_outputs: dict[int, Any],
+    reference_outputs: dict[str, dict[int, Any]],
     greedy: ModeResult,
     references: Sequence[str] | None,
     progress: bool,
@@ -51,23 +56,25 @@ def measure_ct2(
     CTranslate2 brings its own OpenMP runtime, and in one process beside torch's on this 2-core CPU the two
     contend (measured): interleaved with torch's modes, a translator that has run slowed torch's calls by 30% (by
     3x with two CTranslate2 threads, which also slowed CTranslate2 itself 5x). So its translators exist only for
-    this pass, after the others have finished. Outputs are compared with the greedy mode's outputs of the same
-    batches, and speedups are relative to that mode's time in the main pass.
+    this pass, after the others have finished. Outputs are compared with their reference mode's outputs of the same
+    batches (greedy's, or transformers' beam search's for `ct2_b4`), and speedups are relative to the greedy mode's
+    time in the main pass.
 
     Args:
-        greedy_outputs (`dict`): `id(batch)` -> the greedy mode's output for that batch.
+        reference_outputs (`dict`): per reference mode, `id(batch)` -> its output for that batch.
         greedy ([`ModeResult`]): the greedy mode's result in the main pass.
     """
     base, tokenizer = setup.loaded.base, setup.loaded.tokenizer
     device = "cuda" if next(base.parameters()).device.type == "cuda" else "cpu"
     with tempfile.TemporaryDirectory() as folder:
         model_dir = ct2.convert(base, tokenizer, folder)
-        runners: dict[str, Runner] = {"greedy": lambda batch, _: greedy_outputs[id(batch)]}  # a replay
+        runners: dict[str, Runner] = {name: _replay(outputs) for name, outputs in reference_outputs.items()}
         for mode in modes:
             translator = ct2.load_translator(model_dir, mode.ct2_compute_type, setup.ct2_threads, device)
-            runners[mode.name] = ct2.greedy_runner(translator, tokenizer, base, setup.max_new_tokens)
+            runners[mode.name] = ct2.greedy_runner(translator, tokenizer, base, setup.max_new_tokens, mode.num_beams)
         by_mode = measure(
-            runners, batches, pad_token_id=base.config.pad_token_id, reference="greedy", tokenizer=tokenizer,
+            runners, batches, pad_token_id=base.config.pad_token_id,
+            reference={mode.name: mode.reference for mode in modes}, tokenizer=tokenizer,
             references=references, progress=progress, description=f"bench batch {greedy.batch_size}, CTranslate2",
         )  # fmt: skip
     results = [by_mode[mode.name] for mode in modes]

@@ -55,6 +55,12 @@ DEFAULT_ORACLE_BLOCK_SIZES = (4,)
 REFERENCE_MODES = ("greedy", "greedy_int8", "greedy_compiled", "greedy_int8_compiled")
 
 _ORACLE = re.compile(r"oracle_k(\d+)")
+# transformers' beam search with N beams (`beam4`), and any mode of the loop or CTranslate2 as a beam search of N
+# beams (`feature_compiled_b4`, `loop_b4`, the engine's `greedy_compiled_b4`, `ct2_int8_b4`), compared with
+# `beam<N>`; trees too (`feature_k4_n10_compiled_b4`)
+_BEAM = re.compile(r"beam(\d+)")
+_BEAMS_SUFFIX = re.compile(r"(.+)_b(\d+)")
+_BEAM_FAMILIES = ("loop", "greedy", "ct2", "heads", "seq_heads", "feature", "composite")
 # a model drafter at another block size k and (feature drafter) draft threshold: `feature_k6_t0.3`, `heads_k3`
 # and trees: `feature_k6_n10` (10 drafts per row), `feature_k6_n16_m4` (4 candidates per node), `..._int8`
 _SIZED = re.compile(
@@ -84,6 +90,7 @@ class Mode:
             name is sized (`feature_k6`: none; `feature_k6_t0.3`: 0.3).
         tree_nodes (`int`, *optional*): drafts per row of a tree (`feature_k6_n10`); `None` drafts chains.
         tree_branching (`int`): candidates per drafted state of a tree (`_m4`; default 2).
+        num_beams (`int`): beam search of this many beams (`beam4`, `feature_compiled_b4`); 1: greedy.
     """
 
     name: str
@@ -94,10 +101,22 @@ class Mode:
     threshold: float | str | None = "config"
     tree_nodes: int | None = None
     tree_branching: int = 2
+    num_beams: int = 1
 
     @classmethod
     def parse(cls, name: str) -> Mode:
         """The mode called `name`; a `ValueError` names the known ones."""
+        beams = _BEAMS_SUFFIX.fullmatch(name)
+        if beams and int(beams.group(2)) > 1:
+            mode = cls.parse(beams.group(1))
+            if mode.family not in _BEAM_FAMILIES or mode.num_beams > 1:
+                raise ValueError(f"mode {name!r}: a _b<beams> suffix follows a mode of {_BEAM_FAMILIES}")
+            if mode.family == "greedy" and not mode.compiled:  # transformers' eager beam search is `beam<N>`
+                raise ValueError(f"mode {name!r}: transformers' beam search is beam<N>, the loop's loop_b<N>")
+            return dataclasses.replace(mode, name=name, num_beams=int(beams.group(2)))
+        beam = _BEAM.fullmatch(name)
+        if beam and int(beam.group(1)) > 1:
+            return cls(name, "beam", num_beams=int(beam.group(1)))
         plain = name.removesuffix(COMPILED_SUFFIX)
         compiled = plain != name
         if name in MODE_NAMES:
@@ -119,8 +138,15 @@ class Mode:
         raise ValueError(
             f"Unknown mode {name!r}; choose from {MODE_NAMES}, oracle_k<k>, heads_k<k>, seq_heads_k<k>, feature_k<k>, "
             "feature_k<k>_t<threshold>, feature_t<threshold>, trees <heads|feature>_k<k>_n<nodes>[_m<branching>] (each "
-            "sized one also with _int8 and _compiled suffixes)"
+            "sized one also with _int8 and _compiled suffixes), beam<N> (transformers' beam search) and a chain mode "
+            "of the loop or CTranslate2 with _b<N> last (beam search of N beams)"
         )
+
+    @property
+    def cpu_only(self) -> bool:
+        """Whether this mode decodes with torch's dynamic int8 products, which run on a CPU (CTranslate2's int8 runs
+        on its own devices)."""
+        return (self.int8 and self.family != "ct2") or self.family == INT8_DRAFTER_FAMILY
 
     def at_block_size(self, block_size: int) -> Mode:
         """This (unsized oracle) mode at block size k: `oracle_k{k}`, with the `_compiled` suffix if it has one."""
@@ -130,7 +156,10 @@ class Mode:
     @property
     def reference(self) -> str:
         """The greedy mode whose output this one must reproduce: int8 modes are exact w.r.t. the int8 model, compiled
-        modes w.r.t. the engine's own greedy (`greedy_compiled`, itself compared with eager greedy)."""
+        modes w.r.t. the engine's own greedy (`greedy_compiled`, itself compared with eager greedy); beam search
+        modes w.r.t. transformers' beam search of as many beams (`beam4`), which is compared with greedy."""
+        if self.num_beams > 1 and self.family != "beam":
+            return f"beam{self.num_beams}"
         if self.on_int8_model:
             return "greedy_int8_compiled" if self.compiled and self.family != "greedy" else "greedy_int8"
         if self.compiled and self.family not in ("greedy", "hf_greedy"):

@@ -45,7 +45,9 @@ def available_modes(setup: BenchSetup, requested: Sequence[str]) -> list[Mode]:
     needed = {"greedy"} | {mode.reference for mode in modes}
     while missing := {Mode.parse(name).reference for name in needed} - needed:  # a reference's own reference
         needed |= missing
-    modes = [Mode.parse(name) for name in REFERENCE_MODES if name in needed] + modes
+    # the greedy references first, in their order, then the others (transformers' beam search) before their users
+    others = sorted(needed - set(REFERENCE_MODES))
+    modes = [Mode.parse(name) for name in (*[n for n in REFERENCE_MODES if n in needed], *others)] + modes
     unique: dict[str, Mode] = {}
     for mode in modes:
         unique.setdefault(mode.name, mode)
@@ -96,9 +98,10 @@ def run_bench(
                 raise ValueError(f"variant name {name!r} is also a mode")
             runs[name] = (Mode.parse(mode), variant_setup)
         runners = {name: mode_runner(mode, run_setup) for name, (mode, run_setup) in runs.items()}
-        greedy_outputs: dict[int, Any] = {}  # kept only for the CTranslate2 pass, which compares with them
-        if ct2_modes:
-            runners["greedy"] = _recording(runners["greedy"], greedy_outputs)
+        # the outputs of the modes CTranslate2 is compared with (greedy, beam search), kept for its pass only
+        outputs: dict[str, dict[int, Any]] = {mode.reference: {} for mode in ct2_modes}
+        for name, recorded in outputs.items():
+            runners[name] = _recording(runners[name], recorded)
         warm_up = compile_modes(runners, batches[0], {name for name, (mode, _) in runs.items() if mode.compiled})
         by_mode = measure(
             runners, batches, pad_token_id=pad_token_id,
@@ -111,7 +114,7 @@ def run_bench(
             by_mode[name].compile_seconds = seconds
         results += by_mode.values()
         if ct2_modes:
-            results += measure_ct2(setup, ct2_modes, batches, greedy_outputs, by_mode["greedy"], references, progress)
+            results += measure_ct2(setup, ct2_modes, batches, outputs, by_mode["greedy"], references, progress)
     return results
 
 

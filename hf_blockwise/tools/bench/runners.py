@@ -6,7 +6,6 @@ search, transformers' assisted modes, the loop alone, the oracle) come from a ta
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -15,7 +14,7 @@ from torch import nn
 from transformers import CompileConfig
 
 from hf_blockwise.drafters.oracle import ReferenceDrafter
-from hf_blockwise.evaluation.harness import Batch, Runner, sequences_of
+from hf_blockwise.evaluation.harness import Batch, Runner, sequences_of, wall_clock
 from hf_blockwise.generation.acceptance import AcceptanceRule, GADPlusPlusAcceptance, TopKAcceptance
 from hf_blockwise.generation.loop import blockwise_generate
 from hf_blockwise.loading import DrafterOptions, build_drafter
@@ -24,10 +23,10 @@ from hf_blockwise.tools.bench.setup import BenchSetup
 
 
 def _blockwise_runner(model: nn.Module, limit: int, **generate_kwargs: Any) -> Runner:
-    """`model.generate` through this package's loop (or a [`BlockwiseHeadsModel`]'s own generate)."""
-    return lambda batch, _: model.generate(
-        **batch, **generate_kwargs, max_new_tokens=limit, return_dict_in_generate=True
-    )
+    """`model.generate` through this package's loop (or a [`BlockwiseHeadsModel`]'s own generate); greedy unless
+    `generate_kwargs` ask for beams."""
+    kwargs = {"num_beams": 1, **generate_kwargs}
+    return lambda batch, _: model.generate(**batch, **kwargs, max_new_tokens=limit, return_dict_in_generate=True)
 
 
 def _greedy(mode: Mode, setup: BenchSetup) -> Runner:
@@ -55,7 +54,7 @@ def _loop(mode: Mode, setup: BenchSetup) -> Runner:
     """The loop with no drafter (one token per decoder call)."""
     return _blockwise_runner(
         setup.loaded.base, setup.max_new_tokens, custom_generate=blockwise_generate, assistant=None,
-        blockwise_compile=mode.compiled,
+        blockwise_compile=mode.compiled, num_beams=mode.num_beams,
     )  # fmt: skip
 
 
@@ -91,7 +90,7 @@ def _assisted(mode: Mode, setup: BenchSetup) -> Runner:
 _RUNNERS: dict[str, Callable[[Mode, BenchSetup], Runner]] = {
     "greedy": _greedy,
     "hf_greedy": _hf_compiled_greedy,
-    "beam4": _generate(num_beams=4),
+    "beam": lambda mode, setup: _generate(num_beams=mode.num_beams)(mode, setup),
     "prompt_lookup": _generate(prompt_lookup_num_tokens=10),
     "assisted": _assisted,
     "loop": _loop,
@@ -123,7 +122,7 @@ def _drafter_runner(mode: Mode, setup: BenchSetup) -> Runner:
     drafter through the base's `generate` with this package's loop."""
     loaded = setup.loaded
     drafter = build_drafter(mode.drafter, loaded, drafter_options(mode, setup))
-    kwargs: dict[str, Any] = {"assistant": drafter, "blockwise_compile": mode.compiled}
+    kwargs: dict[str, Any] = {"assistant": drafter, "blockwise_compile": mode.compiled, "num_beams": mode.num_beams}
     rule = _acceptance(mode, setup)
     if rule is not None:
         kwargs["acceptance"] = rule
@@ -141,6 +140,35 @@ def mode_runner(mode: Mode | str, setup: BenchSetup) -> Runner:
     reference mode's output of the same batch from `earlier`.
     """
     mode = Mode.parse(mode) if isinstance(mode, str) else mode
+    if mode.num_beams > 1:
+        return padded_after_eos(_runner_of(mode, setup), setup.loaded.base.generation_config)
+    return _runner_of(mode, setup)
+
+
+def padded_after_eos(runner: Runner, generation_config: Any) -> Runner:
+    """`runner` with every row's tokens after its first EOS made pads, as greedy pads its shorter rows: beam search
+    fills them with EOS where the pad id is 0 (`pad_token_id or eos_token_id[0]` in `_beam_search`), which would
+    count as generated tokens and differ from greedy's and CTranslate2's padding."""
+    eos = generation_config.eos_token_id
+    eos = torch.tensor([eos] if isinstance(eos, int) else eos)
+    pad = generation_config.pad_token_id
+
+    def run(batch: Batch, earlier: dict[str, Any]) -> Any:
+        output = runner(batch, earlier)
+        sequences = sequences_of(output)
+        ended = torch.isin(sequences[:, 1:], eos.to(sequences.device)).long().cumsum(dim=1) > 0  # (b, length - 1)
+        after = torch.nn.functional.pad(ended[:, :-1], (2, 0), value=False)  # strictly after the first EOS
+        padded = sequences.masked_fill(after, pad)
+        if isinstance(output, torch.Tensor):
+            return padded
+        output.sequences = padded
+        return output
+
+    return run
+
+
+def _runner_of(mode: Mode, setup: BenchSetup) -> Runner:
+    """The runner of `mode` by its family (or drafter)."""
     if mode.drafter is not None:
         return _drafter_runner(mode, setup)
     if mode.family not in _RUNNERS or (mode.family == "oracle" and mode.block_size is None):
@@ -162,8 +190,8 @@ def compile_modes(runners: dict[str, Runner], batch: Batch, compiled: Collection
     with torch.no_grad():
         for name, runner in runners.items():
             if name in compiled or name == "greedy":
-                start = time.perf_counter()
+                start = wall_clock()
                 earlier[name] = runner(batch, earlier)
                 if name in compiled:
-                    seconds[name] = time.perf_counter() - start
+                    seconds[name] = wall_clock() - start
     return seconds

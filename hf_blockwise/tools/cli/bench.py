@@ -100,6 +100,7 @@ def _bench_setup(args: argparse.Namespace) -> tuple[BenchSetup, list, list[str] 
         limit = args.max_new_tokens or default_max_new_tokens(loaded.base)[0]
         setup = BenchSetup(loaded, limit, iad_max_draft_length=args.iad_max_draft_length)
         sources, references = _sources(args, setup)
+    setup.loaded.to(args.device)
     oracle_block_sizes = args.oracle_block_sizes or (
         MODEL_CONFIG_ORACLE_BLOCK_SIZES if args.model_config else DEFAULT_ORACLE_BLOCK_SIZES
     )
@@ -319,6 +320,10 @@ def _add_bench_run_arguments(bench: argparse.ArgumentParser) -> None:
         "--ct2-threads", type=positive_int, default=None, help="CTranslate2's threads in the ct2 modes (default: "
         "--threads, or torch's)"
     )  # fmt: skip
+    bench.add_argument(
+        "--device", default="cpu", help="torch device the models run on, e.g. cuda (timings then wait for the GPU's "
+        "queued work; the _int8 modes quantize for a CPU)"
+    )  # fmt: skip
     bench.add_argument("--out", default="bench", help="directory for bench.json, bench.md, bench.png")
     bench.add_argument("--quick", action="store_true", help="at most 16 sentences: a run of about a minute")
     bench.add_argument("--cost-curve", action="store_true", help="also time one decoder call for 1..32 tokens")
@@ -338,6 +343,24 @@ def _mode_name(mode: str) -> str:
     return mode
 
 
+def _check_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`--device` names a device torch has here, and one every requested mode runs on."""
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as error:
+        parser.error(f"--device {args.device!r}: {error}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch sees no CUDA device here")
+    if device.type == "cpu":
+        return
+    int8 = [name for name in requested_modes(args) if Mode.parse(name).cpu_only]
+    if int8:
+        parser.error(
+            f"--device {args.device}: the modes {', '.join(int8)} quantize with torch's dynamic int8 products, which "
+            "run on a CPU; name --modes without them"
+        )
+
+
 def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.modes and ALL_MODES in args.modes and len(args.modes) > 1:
         parser.error(f"--modes {ALL_MODES} runs every mode: name no other")
@@ -349,6 +372,7 @@ def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("--audio-folder brings its own sources and transcripts: no --source-file or --reference-file")
     if args.audio_folder and args.cost_curve:
         parser.error("--cost-curve times text sources; it does not take --audio-folder")
+    _check_device(parser, args)
     if args.model_config and (
         args.source_file or args.reference_file or args.audio_folder or args.assistant_model or args.nar_drafter
     ):

@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+from torch import nn
 from transformers.utils import logging as transformers_logging
 
 from hf_blockwise.audio import read_audio_folder, read_wav
@@ -44,9 +46,10 @@ def run_demo(
     int8: bool = False,
     drafter: str = "best",
     compile: bool = True,
+    num_beams: int | None = None,
 ) -> int:
-    """Greedy and blockwise side by side, one sentence at a time, through the measurement harness; prints each
-    pair of outputs, whether they are identical, the mean accepted block and the speedup.
+    """Greedy (or beam search) and blockwise side by side, one sentence at a time, through the measurement
+    harness; prints each pair of outputs, whether they are identical, the mean accepted block and the speedup.
 
     Args:
         max_new_tokens (`int`, *optional*): the length limit; by default the checkpoint's generation_config's.
@@ -55,6 +58,7 @@ def run_demo(
         compile (`bool`): decode blockwise through the compiled engine (`blockwise_compile=True`), compiled once
             before timing. With `int8` the greedy side is the engine's greedy too, "the int8 model's greedy output"
             (the README's int8 contract), which drafting reproduces bit for bit.
+        num_beams (`int`, *optional*): beams of both sides; by default the checkpoint's generation_config's.
 
     Returns:
         `int`: 0 when every output is identical to greedy's, else 1 (the exit status).
@@ -80,7 +84,8 @@ def run_demo(
         f"{torch.get_num_threads()} threads, batch 1, {limit_words(loaded.base, max_new_tokens)}"
     )
     batches = [dict(loaded.tokenizer([sentence], return_tensors="pt")) for sentence in sentences]
-    return _side_by_side(loaded, assistant, batches, sentences, repeats, max_new_tokens, compile, int8 and compile)
+    search = _search(loaded.base, max_new_tokens, num_beams)
+    return _side_by_side(loaded, assistant, batches, sentences, repeats, search, compile, int8 and compile)
 
 
 def run_asr_demo(
@@ -117,21 +122,29 @@ def run_asr_demo(
         f"{'compiled engine' if compile else 'eager'}), {torch.get_num_threads()} threads, batch 1, "
         f"{limit_words(base, max_new_tokens)}"
     )
-    return _side_by_side(loaded, assistant, batches, labels, repeats, max_new_tokens, compile)
+    return _side_by_side(loaded, assistant, batches, labels, repeats, _search(base, max_new_tokens), compile)
+
+
+def _search(base: nn.Module, max_new_tokens: int | None, num_beams: int | None = None) -> dict[str, Any]:
+    """The generate arguments of both sides of the demo: the checkpoint's beams (or `num_beams`), never sampling
+    (said when the checkpoint samples), its length limit unless `max_new_tokens` is given."""
+    defaults = base.generation_config
+    if defaults.do_sample:
+        print("note: the checkpoint's generation_config samples (do_sample=True); the demo decodes without sampling")
+    limit = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
+    return {"do_sample": False, "num_beams": num_beams or defaults.num_beams or 1, **limit}
 
 
 def _side_by_side(
     loaded: LoadedModel, assistant, batches: list[dict], labels: Sequence[str], repeats: int,
-    max_new_tokens: int | None, compile: bool, engine_greedy: bool = False,
+    search: dict[str, Any], compile: bool, engine_greedy: bool = False,
 ) -> int:  # fmt: skip
-    """Greedy and blockwise decoding of each one-row batch through the measurement harness; prints each pair of
-    outputs under its label, whether they are identical, the mean accepted block and the speedup.
-    `max_new_tokens=None` keeps the model's generation config's limit; `engine_greedy` takes the compiled engine's
-    greedy (no assistant) as the greedy side, transformers' eager greedy otherwise."""
+    """Greedy (or beam search) and blockwise decoding of each one-row batch through the measurement harness, both
+    with the generate arguments `search`; prints each pair of outputs under its label, whether they are identical,
+    the mean accepted block and the speedup. `engine_greedy` takes the compiled engine's decoding (no assistant) as
+    the reference side, transformers' eager one otherwise."""
     base, tokenizer = loaded.base, loaded.tokenizer
-    # both sides greedy, whatever the checkpoint's generation_config asks for (said first when it asks for more)
-    limit = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
-    search = {"do_sample": False, "num_beams": 1, **limit}
+    reference = "greedy" if search["num_beams"] == 1 else f"beam {search['num_beams']}"
     greedy_kwargs = {"custom_generate": blockwise_generate, "blockwise_compile": True} if engine_greedy else {}
     runners = {
         "greedy": lambda batch, _: base.generate(**batch, return_dict_in_generate=True, **greedy_kwargs, **search),
@@ -140,15 +153,8 @@ def _side_by_side(
             blockwise_compile=compile, **search,
         ),
     }  # fmt: skip
-    defaults = base.generation_config
-    if (defaults.num_beams or 1) > 1 or defaults.do_sample:
-        print(
-            f"note: the checkpoint's generation_config asks for num_beams={defaults.num_beams}, do_sample="
-            f"{defaults.do_sample}; the demo decodes greedy both ways (num_beams=1, do_sample=False), the output "
-            "blockwise decoding reproduces"
-        )
     if engine_greedy:
-        print("greedy: the compiled engine's int8 greedy, the int8 model's reference output (README, int8)")
+        print(f"{reference}: the compiled engine's int8 {reference}, the int8 model's reference output (README, int8)")
         compile_modes({"greedy": runners["greedy"]}, batches[0], {"greedy"})
     if compile:
         print(
@@ -167,12 +173,13 @@ def _side_by_side(
         labels, greedy.texts, blockwise.texts, blockwise.identical_rows, strict=True
     ):
         print(f"\nsource:    {label}")
-        print(f"greedy:    {greedy_text.strip()}")
+        print(f"{reference + ':':<10} {greedy_text.strip()}")
         print(f"blockwise: {text.strip()}   [identical: {same}]")
     print(f"\nidentical outputs: {blockwise.identical}/{len(labels)}")
-    print(f"mean accepted block: {blockwise.mean_accepted:.2f} tokens per decoder call")
+    unit = "tokens" if search["num_beams"] == 1 else "beam steps"
+    print(f"mean accepted block: {blockwise.mean_accepted:.2f} {unit} per decoder call")
     print(
-        f"time (sum of per-input medians over {repeats} runs): greedy {greedy.seconds:.3f}s, "
+        f"time (sum of per-input medians over {repeats} runs): {reference} {greedy.seconds:.3f}s, "
         f"blockwise {blockwise.seconds:.3f}s, speedup {blockwise.speedup:.2f}x"
     )
     return 0 if blockwise.identical == len(labels) else 1
@@ -205,6 +212,7 @@ def run_demo_command(demo: argparse.ArgumentParser, args: argparse.Namespace) ->
         args.int8,
         args.drafter,
         compile=not args.no_compile,
+        num_beams=args.num_beams,
     )
 
 
@@ -222,6 +230,10 @@ def add_demo_arguments(demo: argparse.ArgumentParser) -> None:
         default=None,
         help="length limit; default: the checkpoint's generation_config, as model.generate() without arguments",
     )
+    demo.add_argument(
+        "--num-beams", type=positive_int, default=None, help="beam search of N beams on both sides (1: greedy); "
+        "default: the checkpoint's generation_config"
+    )  # fmt: skip
     demo.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     demo.add_argument("--int8", action="store_true", help="quantize the base to int8 first (CPU; both modes)")
     demo.add_argument(

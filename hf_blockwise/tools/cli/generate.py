@@ -39,6 +39,10 @@ def add_generate_arguments(command: argparse.ArgumentParser) -> None:
         "--generate-kwargs", type=json_object, default=None,
         help='more generate arguments, as a JSON object: \'{"no_repeat_ngram_size": 3}\'',
     )  # fmt: skip
+    command.add_argument(
+        "--num-beams", type=positive_int, default=None, help="beam search of N beams (1: greedy); default: the "
+        "checkpoint's generation_config"
+    )  # fmt: skip
     command.add_argument("--compile", action="store_true", help="verify through the compiled engine")
     command.add_argument("--format", choices=("text", "jsonl"), default=None, help="default: from the file name")
     command.add_argument("--stats", action="store_true", help="JSONL records carry new_tokens and decoder_calls")
@@ -68,7 +72,8 @@ def run_generate_command(parser: argparse.ArgumentParser, args: argparse.Namespa
     try:
         options = CorpusOptions(
             drafter=args.drafter, batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens,
-            generate_kwargs=merged_generate_kwargs(args.max_new_tokens, args.generate_kwargs), compile=args.compile,
+            generate_kwargs=merged_generate_kwargs(args.max_new_tokens, args.generate_kwargs, args.num_beams),
+            compile=args.compile,
             output_format=args.format, stats=args.stats, on_long=args.on_long, chunk_size=args.chunk_size,
         )  # fmt: skip
         job = prepare_job(args.model, args.input, args.output, column=args.column, split=args.split, options=options)
