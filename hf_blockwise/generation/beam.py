@@ -34,7 +34,7 @@ from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts, VerifiedStates
 from hf_blockwise.engine import CompiledDecoder
 from hf_blockwise.generation.state import DecodingStats
-from hf_blockwise.generation.tree import ancestry
+from hf_blockwise.generation.tree import ancestry, path_to
 
 
 @dataclass(frozen=True)
@@ -238,16 +238,6 @@ def replay_steps(state: BeamState, setup: BeamSetup, feed: BeamFeed, logits: tor
     return replay
 
 
-def path_columns(feed: BeamFeed, replay: Replay) -> torch.Tensor:
-    """Each live beam's path in its row: the column at each depth from the first fed one to its column, shape
-    `(rows, width)` (the identity past its end), for [`hf.compact_cache`]."""
-    ancestors, depth = feed.tree.ancestors[replay.origin], feed.depth[replay.origin]  # (rows, W, W), (rows, W)
-    on_path = ancestors[torch.arange(ancestors.shape[0], device=depth.device), replay.column]  # (rows, W)
-    levels = torch.arange(depth.shape[1], device=depth.device)
-    at_depth = on_path[:, None, :] & (depth[:, None, :] == levels[None, :, None])  # (rows, depth, column)
-    return torch.where(at_depth.any(dim=2), at_depth.long().argmax(dim=2), levels)
-
-
 def conclude(
     state: BeamState, setup: BeamSetup, feed: BeamFeed, replay: Replay, states: torch.Tensor | None
 ) -> BeamState:
@@ -256,7 +246,9 @@ def conclude(
     state gathered the same way."""
     # the columns of each live beam's path, up to the one that scored its newest token: the same for all beams
     valid = int(feed.depth[replay.origin[:1], replay.column[:1]]) + 1
-    path = None if feed.tree is None else path_columns(feed, replay)  # (rows, W)
+    # each live beam's path in its row, to the column that scored its newest token
+    path = None if feed.tree is None else path_to(feed.tree.ancestors[replay.origin], feed.depth[replay.origin],
+                                                  replay.column)  # fmt: skip
     # a tree's paths are compacted from anywhere in the fed columns; a chain keeps its first `valid`
     moved = state.cache_length + (valid if path is None else feed.tokens.shape[1])
     hf.reorder_cache_rows(state.cache, replay.origin, moved)

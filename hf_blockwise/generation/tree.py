@@ -62,6 +62,23 @@ def ancestry(parents: torch.Tensor) -> torch.Tensor:
     return reach
 
 
+def path_to(ancestors: torch.Tensor, depth: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+    """Each row's path from its first fed column to `column`: the column at each depth, the identity past its end.
+
+    Args:
+        ancestors (`torch.BoolTensor` of shape `(b, W, W)`) and depth (`torch.LongTensor` of shape `(b, W)`): a tree
+            feed's structure ([`hf.TreeInputs`]).
+        column (`torch.LongTensor` of shape `(b,)`): where each row's path ends.
+
+    Returns:
+        `torch.LongTensor` of shape `(b, W)`, for [`hf.compact_cache`] and gathering states along the path.
+    """
+    levels = torch.arange(depth.shape[1], device=depth.device)
+    on_path = ancestors[torch.arange(ancestors.shape[0], device=depth.device), column]  # (b, W)
+    at_depth = on_path[:, None, :] & (depth[:, None, :] == levels[None, :, None])  # (b, depth, column)
+    return torch.where(at_depth.any(dim=2), at_depth.long().argmax(dim=2), levels)
+
+
 def build_tree_feed(
     state: DecodingState, setup: DecodingSetup, drafts: Drafts, max_drafts: torch.Tensor
 ) -> tuple[StepFeed, hf.TreeInputs, torch.Tensor]:
@@ -138,10 +155,7 @@ def verify_tree(
     right = (columns < feed.num_pending[:, None]) | (is_draft & match)  # (b, W)
     reached = ~(tree.ancestors & ~right[:, None, :]).any(dim=2)  # (b, W): the whole path to it is right
     best = torch.where(reached, tree.depth + 1, 0).argmax(dim=1)  # (b,): the first of the deepest
-    rows = torch.arange(width, device=scores.device)
-    on_path = tree.ancestors[torch.arange(best.shape[0], device=best.device), best]  # (b, W)
-    at_depth = on_path[:, None, :] & (tree.depth[:, None, :] == rows[None, :, None])  # (b, depth, column)
-    path = torch.where(at_depth.any(dim=2), at_depth.long().argmax(dim=2), rows)  # (b, W)
+    path = path_to(tree.ancestors, tree.depth, best)  # (b, W)
     best_depth = tree.depth.gather(1, best[:, None])[:, 0]
     num_accepted = best_depth - (feed.num_pending - 1)
     offsets = torch.arange(width + 1, device=scores.device)
