@@ -8,10 +8,10 @@ range below (`pyproject.toml`): when transformers changes, this is the one packa
 
 Modules, each importing only those listed before it (and none of them this package's `__init__`):
 
+- `cache`: the croppable dynamic cache of the loop, the static caches of the compiled engine, cropping, row
+  selection and beam search's reorder for both, and the check of `generate`'s cache arguments.
 - `beam`: transformers' beam search one step at a time (`beam_search_step` over its own vectorized helpers), its
   state and options, its output (`BlockwiseBeamOutput`), and which beam searches the beam loop can reproduce.
-- `cache`: the croppable dynamic cache of the loop, the static caches of the compiled engine, and cropping and row
-  selection for both.
 - `tree`: a tree of drafts through the decoder forward: positions by depth (a hook on the position module),
   the ancestry mask, the capability of a decoder to take one, and compacting the cache to the accepted path.
 - `models`: where a transformers seq2seq model keeps what the loop and the heads need: `BaseModelWrapper` and

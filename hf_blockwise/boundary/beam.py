@@ -21,6 +21,8 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerateBeamEncoderDecoderOutput
 
+from hf_blockwise.boundary.cache import check_cache_settings
+
 # generate() arguments of a beam search that the blockwise beam loop does not produce, and what they would return
 _UNSUPPORTED_BEAM_FLAGS = {
     "output_logits": "per-step raw logits",
@@ -94,16 +96,13 @@ def validate_beam_config(generation_config: GenerationConfig) -> None:
         raise ValueError(f"the blockwise beam loop reproduces beam search, not {mode.value!r}")
     if generation_config.low_memory:
         raise ValueError("low_memory=True is not supported by beam search (transformers refuses it too)")
-    if generation_config.use_cache is False:
-        raise ValueError("Blockwise beam search needs the KV cache; use_cache=False is not supported")
+    check_cache_settings(generation_config)
     for flag, what in _UNSUPPORTED_BEAM_FLAGS.items():
         if getattr(generation_config, flag, False):
             raise ValueError(
                 f"{flag}=True is not supported by blockwise beam search ({what} of every beam at every step); "
                 "generate without it, or use the base model's generate without hf_blockwise"
             )
-    if generation_config.cache_implementation not in (None, "dynamic"):
-        raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not supported")
 
 
 def beam_options(generation_config: GenerationConfig, input_ids: torch.Tensor, max_length: int) -> BeamOptions:

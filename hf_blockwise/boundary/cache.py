@@ -3,8 +3,9 @@
 A dynamic cache whose self-attention layers can all be cropped, for the eager loop ([`new_decoder_cache`],
 [`loop_decoder_cache`], which also checks the one `generate` prepared); preallocated static self-attention buffers
 for the compiled engine ([`static_decoder_cache`], with its capacity, attention mask and unpinning); and, for
-either, cropping back to the verified length ([`crop_cache`]) and keeping only the rows still decoding
-([`select_cache_rows`]).
+either, cropping back to the verified length ([`crop_cache`]), keeping only the rows still decoding
+([`select_cache_rows`]) and beam search's reorder ([`reorder_cache_rows`]). [`check_cache_settings`] refuses the
+`generate` arguments that would give the loop another cache.
 """
 
 from __future__ import annotations
@@ -13,6 +14,21 @@ from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache, StaticLayer
+
+
+def check_cache_settings(generation_config: Any) -> None:
+    """Raises a `ValueError` naming `use_cache=False` or a `cache_implementation` other than the dynamic one: the
+    loop (greedy or beam) crops and reorders a cache of its own after every verification step."""
+    if generation_config.use_cache is False:
+        raise ValueError(
+            "Blockwise decoding needs the KV cache; use_cache=False is not supported (some configs default to it, "
+            "e.g. Pix2Struct's text config: pass use_cache=True to generate)"
+        )
+    if generation_config.cache_implementation not in (None, "dynamic"):
+        raise ValueError(
+            f"cache_implementation={generation_config.cache_implementation!r} is not supported; blockwise "
+            "decoding crops a dynamic cache after every verification step"
+        )
 
 
 def new_decoder_cache() -> EncoderDecoderCache:

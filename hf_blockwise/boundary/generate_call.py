@@ -26,7 +26,7 @@ from transformers.generation.utils import GenerateEncoderDecoderOutput
 from transformers.utils import ModelOutput
 
 from hf_blockwise.boundary.beam import validate_beam_config
-from hf_blockwise.boundary.cache import loop_decoder_cache
+from hf_blockwise.boundary.cache import check_cache_settings, loop_decoder_cache
 from hf_blockwise.boundary.inputs import check_decoder_length, warn_unmasked_padding
 from hf_blockwise.boundary.media import encoder_output_mask, validate_segment_options
 from hf_blockwise.boundary.models import encoder_input_name
@@ -65,22 +65,13 @@ def validate_generation_config(generation_config: GenerationConfig) -> None:
     validate_segment_options(generation_config)
     if getattr(generation_config, "dola_layers", None) is not None:
         raise ValueError("dola_layers (DoLa decoding) is not supported by blockwise decoding")
-    if generation_config.use_cache is False:
-        raise ValueError(
-            "Blockwise decoding needs the KV cache; use_cache=False is not supported (some configs default to it, "
-            "e.g. Pix2Struct's text config: pass use_cache=True to generate)"
-        )
+    check_cache_settings(generation_config)
     for flag, what in _UNSUPPORTED_FLAGS.items():
         if getattr(generation_config, flag, False):
             raise ValueError(
                 f"{flag}=True is not supported by blockwise decoding: {what} are not produced one token at a "
                 "time. Generate without it, or use the base model's greedy generate."
             )
-    if generation_config.cache_implementation not in (None, "dynamic"):
-        raise ValueError(
-            f"cache_implementation={generation_config.cache_implementation!r} is not supported; blockwise "
-            "decoding crops a dynamic cache after every verification step"
-        )
 
 
 def decoder_prompt_kwargs(model_kwargs: dict[str, Any]) -> dict[str, Any]:
