@@ -61,6 +61,7 @@ from typing import Any
 
 import torch
 import torch._inductor.config
+import torch.fx.experimental._config as fx_config
 from torch import nn
 
 from hf_blockwise import boundary as hf
@@ -212,8 +213,10 @@ class CompiledModule:
 
     def __call__(self, *args: Any) -> Any:
         # inductor reads `freezing` from its global config when it compiles (torch.compile's options= do not reach
-        # that decision), so it is set for the call only and restored after it
-        with torch._inductor.config.patch(freezing=self.freezing):
+        # that decision), so it is set for the call only and restored after it. Duck shaping is off for the same
+        # span: it would give sizes that happen to be equal when a graph is traced (a first call of 3 rows feeding
+        # 3 columns) one symbol, and every later call where they differ would compile again
+        with torch._inductor.config.patch(freezing=self.freezing), fx_config.patch(use_duck_shape=False):
             return self._compiled(*args)
 
     def close(self) -> None:

@@ -191,9 +191,10 @@ def test_int8_products_compile_to_the_same_numbers(freezing: bool) -> None:
 
 def test_int8_compiled_engine_is_exact_to_its_own_greedy() -> None:
     """`greedy_int8_compiled` and the int8 drafting modes through the compiled engine: drafts right and partly wrong
-    give the engine's int8 greedy token for token, which is eager int8 greedy up to near-ties."""
+    give the engine's int8 greedy token for token, which is eager int8 greedy up to near-ties (batch 4 here; batch 1
+    and 3 on three other architectures: tests/test_one_arithmetic.py)."""
     base = quantize_dynamic_int8(build_model("marian", seed=3))
-    for batch_size, seed in ((1, 0), (4, 1)):
+    for batch_size, seed in ((4, 1),):
         batch = random_batch(base, batch_size, seed=seed)
         eager = base.generate(**batch, max_new_tokens=16, do_sample=False)
         kwargs = {"custom_generate": blockwise_generate, "max_new_tokens": 16, "blockwise_compile": True}
