@@ -3,8 +3,8 @@
 Rows: Stern's heads, sequential (Hydra-style) heads and the feature drafter of a shipped model, each at every
 block size k it supports (heads: up to their trained k; the feature drafter drafts autoregressively, so any k),
 plus the oracle (greedy's own output as drafts: the loop's ceiling). Every cell comes from one bench run
-(`hf_blockwise.tools.bench.run_bench`: same sentences, batch 1, modes interleaved per sentence, each timed
-against transformers' greedy in the same run).
+(`hf-blockwise bench`: same sentences, batch 1, modes interleaved per sentence, each timed against transformers'
+greedy in the same run; its own report lands beside `--out`, in `<out>-bench/`).
 
     python scripts/acceptance_table.py --model hf_blockwise/pretrained/multi30k-en-de --sentences 300 \
         --out docs/acceptance_table.md
@@ -20,11 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from script_common import run_bench
 
 from hf_blockwise.loading import load_model
 from hf_blockwise.serialization import atomic_write_text
-from hf_blockwise.text_files import read_lines
-from hf_blockwise.tools.bench import BenchSetup, run_bench
 from hf_blockwise.training.arguments import parse_dataclass_args
 
 DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -60,8 +59,8 @@ def table_lines(rows: dict[str, list[int]], by_mode: dict, block_sizes: Sequence
             if k not in sizes or result is None:
                 cells.append("")
             else:
-                identical = "" if result.identical == result.compared else f" ({result.identical} identical)"
-                cells.append(f"{result.mean_accepted:.2f} ({result.speedup:.2f}x){identical}")
+                identical = "" if result["identical"] == result["compared"] else f" ({result['identical']} identical)"
+                cells.append(f"{result['mean_accepted']:.2f} ({result['speedup']:.2f}x){identical}")
         lines.append(f"| {ROW_NAMES[row]} | " + " | ".join(cells) + " |")
     return lines
 
@@ -80,10 +79,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         rows["feature"] = list(args.block_sizes)
     modes = ["greedy"] + [f"{row}_k{k}" for row, sizes in rows.items() if row != "oracle" for k in sizes]
     modes += ["oracle"]
-    setup = BenchSetup(loaded, args.max_new_tokens, oracle_block_sizes=tuple(rows["oracle"]))
+    arguments = ["--model", args.model, "--source-file", args.sources, "--sentences", str(args.sentences)]
+    arguments += ["--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads), "--batch-sizes", "1"]
+    arguments += ["--oracle-block-sizes", *map(str, rows["oracle"]), "--modes", *modes]
     started = time.time()
-    results = run_bench(setup, read_lines(args.sources)[: args.sentences], None, modes, [1])
-    by_mode = {result.mode: result for result in results}
+    report = run_bench(arguments, os.path.splitext(args.out)[0] + "-bench")
+    by_mode = {result["mode"]: result for result in report["results"]}
     lines = table_lines(rows, by_mode, args.block_sizes)
     text = f"""# Accepted tokens per decoder call at k = 2..10 (Stern et al., Table 1 shape)
 
@@ -100,18 +101,7 @@ unless a cell says otherwise. Empty: the drafter has fewer heads than k - 1.
     atomic_write_text(args.out, text)
     atomic_write_text(
         os.path.splitext(args.out)[0] + ".json",
-        json.dumps(
-            {
-                mode: {
-                    key: value
-                    for key, value in vars(result).items()
-                    if key not in ("texts", "identical_rows", "batch_seconds")
-                }
-                for mode, result in by_mode.items()
-            },
-            indent=2,
-        )
-        + "\n",
+        json.dumps(by_mode, indent=2) + "\n",
     )
     print(text)
 

@@ -1,7 +1,8 @@
 """GAD and GAD++ sweeps over block size k, top-β and tolerance τ (the shapes of Ge et al.'s Tables 5–7).
 
-Every setting decodes the same sentences at batch 1 beside one greedy run, batch by batch, so each speedup
-is a ratio measured in the same run. Writes ``sweep.json``, ``sweep.md`` and ``sweep.png`` into ``--out``.
+Every setting is a mode of one bench run (`gad_k<k>`, `gad_pp_k<k>_beta<β>_tau<τ>`: the same sentences at batch 1
+beside one greedy run, batch by batch), so each speedup is a ratio measured in the same run. Writes ``sweep.json``,
+``sweep.md`` and ``sweep.png`` into ``--out``, and the bench's own report into ``--out``/bench.
 
 Command behind ``docs/bench/gad-sweep`` (from the repository root, 6 minutes on a 2-core CPU)::
 
@@ -13,20 +14,15 @@ Command behind ``docs/bench/gad-sweep`` (from the repository root, 6 minutes on 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-import torch
-from transformers.utils import logging as transformers_logging
+from script_common import run_bench
 
-from hf_blockwise.evaluation import ModeResult
-from hf_blockwise.loading import load_model
 from hf_blockwise.serialization import atomic_write, atomic_write_text
-from hf_blockwise.text_files import read_lines
-from hf_blockwise.tools.bench import BenchSetup, run_bench
 from hf_blockwise.training.arguments import parse_dataclass_args
 
 
@@ -59,52 +55,50 @@ def parse_args(argv: Sequence[str] | None = None) -> GADSweepArguments:
     return parse_dataclass_args(GADSweepArguments, argv, __doc__.split("\n", 1)[0])
 
 
-def variants(setup, block_sizes, pp_block_size, betas, taus, fixed_beta, fixed_tau) -> dict:
-    """Exact GAD at each block size, then GAD++ over β (τ fixed) and over τ (β fixed), by run name."""
-    runs = {f"gad k={k}": ("gad", dataclasses.replace(setup, gad_block_size=k)) for k in block_sizes}
-    loose = [(beta, fixed_tau) for beta in betas] + [(fixed_beta, tau) for tau in taus]
-    for beta, tau in loose:
-        name = f"gad++ k={pp_block_size} β={beta} τ={tau:g}"
-        loose_setup = dataclasses.replace(setup, gad_block_size=pp_block_size, gad_top_beta=beta, gad_tolerance=tau)
-        runs.setdefault(name, ("gad_pp", loose_setup))
-    return runs
+def sweep_modes(block_sizes, pp_block_size, betas, taus, fixed_beta, fixed_tau) -> list[str]:
+    """The bench modes of the sweep: exact GAD at each block size, then GAD++ over β (τ fixed) and over τ (β fixed)."""
+    modes = [f"gad_k{k}" for k in block_sizes]
+    for beta, tau in [(beta, fixed_tau) for beta in betas] + [(fixed_beta, tau) for tau in taus]:
+        mode = f"gad_pp_k{pp_block_size}_beta{beta}_tau{tau:g}"
+        modes += [] if mode in modes else [mode]
+    return modes
 
 
-def table(results: Sequence[ModeResult]) -> str:
+def table(results: Sequence[dict[str, Any]]) -> str:
     lines = [
         "| run | speedup vs greedy | mean accepted | decoder calls / token | identical to greedy | BLEU |",
         "|---|---|---|---|---|---|",
     ]
     for result in results:
-        figures = result.summary()
-        bleu = "" if result.bleu is None else f"{result.bleu:.2f}"
+        bleu = "" if result["bleu"] is None else f"{result['bleu']:.2f}"
         lines.append(
-            f"| {result.mode} | {result.speedup:.2f}x | {figures['mean_accepted']:.2f} | "
-            f"{figures['forwards_per_token']:.2f} | {result.identical}/{result.sentences} | {bleu} |"
+            f"| {result['mode']} | {result['speedup']:.2f}x | {result['mean_accepted']:.2f} | "
+            f"{result['forwards_per_token']:.2f} | {result['identical']}/{result['sentences']} | {bleu} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def plot(results: Sequence[ModeResult], path: str) -> None:
+def plot(results: Sequence[dict[str, Any]], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    exact = [r for r in results if r.mode.startswith("gad k=")]
-    loose = [r for r in results if r.mode.startswith("gad++")]
+    exact = [r for r in results if r["mode"].startswith("gad_k")]
+    loose = [r for r in results if r["mode"].startswith("gad_pp")]
     figure, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    ks = [int(r.mode.split("=")[1]) for r in exact]
-    axes[0].plot(ks, [r.speedup for r in exact], "o-", label="speedup vs greedy")
-    axes[0].plot(ks, [r.summary()["mean_accepted"] for r in exact], "s--", label="mean accepted")
+    ks = [int(r["mode"].removeprefix("gad_k")) for r in exact]
+    axes[0].plot(ks, [r["speedup"] for r in exact], "o-", label="speedup vs greedy")
+    axes[0].plot(ks, [r["mean_accepted"] for r in exact], "s--", label="mean accepted")
     axes[0].axhline(1.0, color="grey", linewidth=0.8)
     axes[0].set_xlabel("block size k (exact GAD)")
     axes[0].legend()
-    axes[1].scatter([r.speedup for r in loose], [r.bleu for r in loose])
+    axes[1].scatter([r["speedup"] for r in loose], [r["bleu"] for r in loose])
     for result in loose:
-        axes[1].annotate(result.mode.split(" ", 2)[2], (result.speedup, result.bleu), fontsize=7)
-    greedy = next(r for r in results if r.mode == "greedy")
-    axes[1].axhline(greedy.bleu, color="grey", linewidth=0.8, label="greedy BLEU")
+        label = result["mode"].split("_", 3)[3]  # beta<β>_tau<τ>
+        axes[1].annotate(label, (result["speedup"], result["bleu"]), fontsize=7)
+    greedy = next(r for r in results if r["mode"] == "greedy")
+    axes[1].axhline(greedy["bleu"], color="grey", linewidth=0.8, label="greedy BLEU")
     axes[1].set_xlabel("speedup vs greedy (GAD++)")
     axes[1].set_ylabel("BLEU")
     axes[1].legend()
@@ -115,30 +109,18 @@ def plot(results: Sequence[ModeResult], path: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    transformers_logging.set_verbosity_error()
-    torch.set_num_threads(args.threads)
-    sources = read_lines(args.source_file)[: args.sentences]
-    references = read_lines(args.reference_file)[: args.sentences] if args.reference_file else None
-    setup = BenchSetup(load_model(args.model, nar_drafter_path=args.nar_drafter), args.max_new_tokens)
-    if setup.loaded.nar_model is None:
-        raise SystemExit(f"{args.model} ships no nar-drafter; pass --nar-drafter")
     pp_block_size = args.gad_pp_block_size or max(args.block_sizes)
-    runs = variants(setup, args.block_sizes, pp_block_size, args.betas, args.taus, args.fixed_beta, args.fixed_tau)
-    results = run_bench(setup, sources, references, ["greedy"], [1], variants=runs)
-    os.makedirs(args.out, exist_ok=True)
-    settings = {
-        "model": args.model,
-        "sentences": len(sources),
-        "threads": torch.get_num_threads(),
-        "batch_size": 1,
-        "device": str(next(setup.loaded.base.parameters()).device),
-        "drafter_block_size": setup.loaded.nar_model.nar_config.block_size,
-    }
-    report = {"settings": settings, "results": [result.summary() for result in results]}
+    modes = sweep_modes(args.block_sizes, pp_block_size, args.betas, args.taus, args.fixed_beta, args.fixed_tau)
+    arguments = ["--model", args.model, "--source-file", args.source_file, "--sentences", str(args.sentences)]
+    arguments += ["--reference-file", args.reference_file] if args.reference_file else []
+    arguments += ["--nar-drafter", args.nar_drafter] if args.nar_drafter else []
+    arguments += ["--threads", str(args.threads), "--max-new-tokens", str(args.max_new_tokens), "--batch-sizes", "1"]
+    report = run_bench([*arguments, "--modes", "greedy", *modes], os.path.join(args.out, "bench"))
+    results, settings = report["results"], report["settings"]
     atomic_write_text(os.path.join(args.out, "sweep.json"), json.dumps(report, indent=2) + "\n")
     header = (
-        f"# GAD / GAD++ sweep: {os.path.basename(os.path.normpath(args.model))}, {len(sources)} sentences, batch 1, "
-        f"{settings['threads']} threads, {settings['device']}\n\nRegenerate: `python scripts/gad_sweep.py` "
+        f"# GAD / GAD++ sweep: {os.path.basename(os.path.normpath(args.model))}, {settings['sentences']} sentences, "
+        f"batch 1, {settings['threads']} threads, {settings['device']}\n\nRegenerate: `python scripts/gad_sweep.py` "
         "(command in its docstring).\n\n"
     )
     atomic_write_text(os.path.join(args.out, "sweep.md"), header + table(results))

@@ -25,8 +25,8 @@ from torch import nn
 from transformers.utils import logging
 
 from hf_blockwise import quantize_dynamic_int8
+from hf_blockwise.evaluation.cost_curve import decoder_cost_curve
 from hf_blockwise.loading import REALISTIC_MODEL, load_model
-from hf_blockwise.tools.bench.cost_curve import decoder_cost_curve
 from hf_blockwise.training.arguments import parse_dataclass_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

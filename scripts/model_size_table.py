@@ -1,6 +1,6 @@
 """What the decoding loop costs and can gain on models of real sizes: `docs/model_sizes.md`.
 
-For each shape of `hf_blockwise.tools.model_configs` (opus-mt-en-de, t5-base, bart-large, nllb-200-distilled-600M;
+For each shape of `hf_blockwise.evaluation.model_configs` (opus-mt-en-de, t5-base, bart-large, nllb-200-distilled-600M;
 randomly initialised, fp32, EOS suppressed so every sentence generates `--max-new-tokens` tokens), runs
 ``hf-blockwise bench --model-config NAME`` at batch 1 (modes greedy, loop, oracle at each block size, and the
 decoder cost curve) and tabulates: greedy ms/token, the loop's time with no drafter over greedy's, the oracle's
@@ -22,10 +22,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from script_common import run_bench
 
+from hf_blockwise.evaluation.model_configs import MODEL_CONFIGS, build_model
 from hf_blockwise.serialization import atomic_write_text
-from hf_blockwise.tools.cli import main as cli_main
-from hf_blockwise.tools.model_configs import MODEL_CONFIGS, build_model
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -44,16 +44,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Runs the bench on one shape; its results by mode, its cost curve (ms by tokens fed) and its wall time."""
     out = os.path.join(args.out_dir, name)
-    command = ["bench", "--model-config", name, "--sentences", str(args.sentences), "--batch-sizes", "1"]
-    command += ["--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads), "--out", out]
+    command = ["--model-config", name, "--sentences", str(args.sentences), "--batch-sizes", "1"]
+    command += ["--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)]
     command += ["--oracle-block-sizes", *map(str, args.oracle_block_sizes)]
     command += ["--tiny-model-config"] if args.tiny_model_config else []
     start = time.perf_counter()
-    if cli_main(command) != 0:
-        raise SystemExit(f"the bench of {name} failed")
+    rows = {row["mode"]: row for row in run_bench(command, out)["results"]}
     seconds = time.perf_counter() - start
-    with open(os.path.join(out, "bench.json"), encoding="utf-8") as handle:
-        rows = {row["mode"]: row for row in json.load(handle)["results"]}
     with open(os.path.join(out, "cost_curve.json"), encoding="utf-8") as handle:
         curve = {int(n): ms for n, ms in json.load(handle)["ms_per_call"].items()}
     meta = build_model(name, tiny=args.tiny_model_config, device="meta")
@@ -141,7 +138,7 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, seconds
     header = [
         "# Decoding cost by model size",
         "",
-        "Randomly initialised models with the shapes of real ones (`hf_blockwise/tools/model_configs.py`), fp32, "
+        "Randomly initialised models with the shapes of real ones (`hf_blockwise/evaluation/model_configs.py`), fp32, "
         f"batch 1, {args.sentences} random sources of 20 tokens, {args.max_new_tokens} new tokens each (EOS "
         f"suppressed, so every mode generates the same tokens); CPU threads: {args.threads} ({platform.machine()}, "
         f"torch {torch.__version__}). Whole run: {seconds:.0f} s. Regenerate: `python scripts/model_size_table.py "

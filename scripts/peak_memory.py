@@ -13,34 +13,26 @@ float model, greedy's run and the converted CTranslate2 model.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
-import sys
+import tempfile
 
-# the child: one bench run of one mode over a few sentences, then its own peak RSS (KiB on Linux); each child
-# reports its own (RUSAGE_CHILDREN in the parent would keep the largest so far)
-_CHILD = """
-import resource, sys, torch
-from transformers.utils import logging
-from hf_blockwise.loading import load_model
-from hf_blockwise.text_files import read_lines
-from hf_blockwise.tools.bench import BenchSetup, run_bench
-logging.set_verbosity_error()
-model, source_file, mode, sentences, threads = sys.argv[1:6]
-torch.set_num_threads(int(threads))
-loaded = load_model(model)
-sources = read_lines(source_file)[: int(sentences)]
-run_bench(BenchSetup(loaded, 128, ct2_threads=int(threads)), sources, None, [mode], [1], progress=False)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-"""
+from script_common import bench_command
 
 
 def peak_mib(model: str, source_file: str, mode: str, sentences: int, threads: int) -> float:
-    """Peak RSS in MiB of a fresh process that runs `mode` (and the greedy reference it needs)."""
-    command = [sys.executable, "-c", _CHILD, model, source_file, mode, str(sentences), str(threads)]
-    finished = subprocess.run(command, capture_output=True, text=True, check=False)
-    if finished.returncode != 0:
-        raise SystemExit(f"mode {mode} failed:\n{finished.stderr[-2000:]}")
-    return int(finished.stdout.strip().splitlines()[-1]) / 1024
+    """Peak RSS in MiB of a fresh `hf-blockwise bench` process that runs `mode` (and the greedy reference it needs)
+    over the first `sentences` sources at batch 1. The child's own peak (`os.wait4`): `RUSAGE_CHILDREN` would
+    keep the largest of all children so far."""
+    arguments = ["--model", model, "--source-file", source_file, "--sentences", str(sentences), "--modes", mode]
+    arguments += ["--batch-sizes", "1", "--threads", str(threads), "--max-new-tokens", "128"]
+    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryFile() as errors:  # a file: a pipe could fill up
+        child = subprocess.Popen(bench_command(arguments, out), stdout=subprocess.DEVNULL, stderr=errors)
+        _, status, usage = os.wait4(child.pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            errors.seek(0)
+            raise SystemExit(f"mode {mode} failed:\n{errors.read().decode()[-2000:]}")
+    return usage.ru_maxrss / 1024  # KiB on Linux
 
 
 def main() -> None:

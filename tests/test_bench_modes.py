@@ -14,6 +14,7 @@ from hf_blockwise.loading import DRAFTER_NAMES, DRAFTERS, LoadedModel, build_dra
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
 from hf_blockwise.modeling.quantization import Int8Linear
 from hf_blockwise.tools.bench import DEFAULT_MODES, MODE_NAMES, BenchSetup, Mode, available_modes, run_bench
+from hf_blockwise.tools.bench.runners import acceptance_rule, drafter_options
 from hf_blockwise.tools.cli import build_parser, main
 from hf_blockwise.tools.cli.bench import requested_modes
 
@@ -102,6 +103,21 @@ def test_tree_modes_parse_their_nodes_and_branching() -> None:
     assert Mode.parse("heads_k3_int8").on_int8_model and Mode.parse("feature_k5").tree_nodes is None
 
 
+def test_gad_modes_parse_their_block_size_top_beta_and_tolerance() -> None:
+    """`gad_k<k>` and `gad_pp_k<k>_beta<β>_tau<τ>` (the sweep's settings): the drafter at that k, GAD++ with that
+    β and τ, else the bench's flags."""
+    setup = BenchSetup(LoadedModel(base=build_model("marian"), tokenizer=None), gad_block_size=3, gad_top_beta=2)
+    exact = Mode.parse("gad_k5_compiled")
+    assert (exact.family, exact.block_size, exact.compiled, exact.reference) == ("gad", 5, True, "greedy_compiled")
+    assert drafter_options(exact, setup).block_size == 5 and drafter_options(Mode.parse("gad"), setup).block_size == 3
+    loose = Mode.parse("gad_pp_k8_beta3_tau0.5")
+    assert (loose.family, loose.block_size, loose.top_beta, loose.tolerance) == ("gad_pp", 8, 3, 0.5)
+    rule = acceptance_rule(loose, setup)
+    assert (rule.top_beta, rule.tolerance) == (3, 0.5)
+    default = acceptance_rule(Mode.parse("gad_pp_k8_tau0"), setup)
+    assert (default.top_beta, default.tolerance) == (2, 0.0)
+
+
 def test_beam_modes_parse_their_beams_and_compare_with_transformers_beam_search() -> None:
     """`beam<N>`: transformers' beam search (compared with greedy); a chain mode of the loop or CTranslate2 with
     `_b<N>` last: a beam search of N beams, compared with `beam<N>`, which runs before it."""
@@ -128,7 +144,19 @@ def test_beam_modes_parse_their_beams_and_compare_with_transformers_beam_search(
     assert names == ["greedy", "beam2", "beam4", "feature_compiled_b4", "loop_b2"]
 
 
-@pytest.mark.parametrize("name", ["beam4_compiled", "heads_k3_n", "feature_t0.3.4", "loop_int8", "nope", "beam1"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "beam4_compiled",
+        "heads_k3_n",
+        "feature_t0.3.4",
+        "loop_int8",
+        "nope",
+        "beam1",
+        "gad_k4_beta2",
+        "gad_pp_k4_compiled",
+    ],
+)
 def test_unknown_modes_are_refused(name: str) -> None:
     with pytest.raises(ValueError, match=f"Unknown mode {name!r}"):
         Mode.parse(name)

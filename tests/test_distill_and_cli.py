@@ -184,7 +184,7 @@ def test_bench_runs_drafters_at_other_block_sizes_and_thresholds(tmp_path, capsy
     assert "unknown mode 'feature_x'" in capsys.readouterr().err
 
 
-def test_gad_sweep_times_every_setting_against_one_greedy_run(tmp_path) -> None:
+def test_gad_sweep_times_every_setting_against_one_greedy_run(tmp_path, monkeypatch) -> None:
     base, tokenizer = build_model("marian", seed=5), word_tokenizer()
     base.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
@@ -192,6 +192,7 @@ def test_gad_sweep_times_every_setting_against_one_greedy_run(tmp_path) -> None:
     drafter.save_pretrained(tmp_path / "model" / "nar-drafter")
     sources = tmp_path / "sources.txt"
     sources.write_text("\n".join(SOURCES[:4]) + "\n")
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))  # as `python scripts/gad_sweep.py`
     sweep = runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "gad_sweep.py"))
     out = tmp_path / "sweep"
     sweep["main"]([
@@ -201,9 +202,9 @@ def test_gad_sweep_times_every_setting_against_one_greedy_run(tmp_path) -> None:
     ])  # fmt: skip
     results = {row["mode"]: row for row in json.loads((out / "sweep.json").read_text())["results"]}
     assert set(results) == {
-        "greedy", "gad k=2", "gad k=4", "gad++ k=4 β=1 τ=2", "gad++ k=4 β=3 τ=2", "gad++ k=4 β=3 τ=0",
+        "greedy", "gad_k2", "gad_k4", "gad_pp_k4_beta1_tau2", "gad_pp_k4_beta3_tau2", "gad_pp_k4_beta3_tau0",
     }  # fmt: skip
-    for name in ("gad k=2", "gad k=4", "gad++ k=4 β=1 τ=2", "gad++ k=4 β=3 τ=0"):  # the lossless settings
+    for name in ("gad_k2", "gad_k4", "gad_pp_k4_beta1_tau2", "gad_pp_k4_beta3_tau0"):  # the lossless settings
         assert results[name]["identical_rate"] == 1.0, name
     assert all(row["sentences"] == 4 and row["speedup"] > 0 for row in results.values())
-    assert (out / "sweep.png").stat().st_size > 0 and "gad k=4" in (out / "sweep.md").read_text()
+    assert (out / "sweep.png").stat().st_size > 0 and "gad_k4" in (out / "sweep.md").read_text()

@@ -14,6 +14,8 @@ from conftest import VOCAB_SIZE, build_model, word_tokenizer
 
 from hf_blockwise import BlockwiseHeadsConfig, BlockwiseHeadsModel, compare_to_greedy
 from hf_blockwise.evaluation.harness import ModeResult, generated_tokens, measure, same_output
+from hf_blockwise.evaluation.model_configs import MODEL_CONFIGS, resolve_name
+from hf_blockwise.evaluation.model_configs import build_model as build_shaped_model
 from hf_blockwise.loading import LoadedModel
 from hf_blockwise.tools.bench import (
     BenchSetup,
@@ -25,8 +27,6 @@ from hf_blockwise.tools.bench import (
 )
 from hf_blockwise.tools.bench.runners import padded_after_eos
 from hf_blockwise.tools.cli import main
-from hf_blockwise.tools.model_configs import MODEL_CONFIGS, resolve_name
-from hf_blockwise.tools.model_configs import build_model as build_shaped_model
 
 PAD = 0
 
@@ -224,7 +224,8 @@ def test_bench_model_config_end_to_end_on_a_tiny_shape(tmp_path, capsys, name: s
     assert (out / "bench.png").stat().st_size > 0
 
 
-def test_model_size_script_tabulates_the_bench_reports(tmp_path) -> None:
+def test_model_size_script_tabulates_the_bench_reports(tmp_path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))  # as `python scripts/NAME.py`
     script = runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "model_size_table.py"))
     table = tmp_path / "model_sizes.md"
     script["main"]([

@@ -56,12 +56,13 @@ def test_the_public_api_comes_from_the_library() -> None:
         assert not module.startswith("hf_blockwise.tools"), f"{name} comes from {module}"
 
 
-def test_recipes_import_no_tool() -> None:
-    """The training recipes share their helpers beside them (`training/recipe_common.py`, `data.py`) or take them
-    from the library, never from `hf_blockwise.tools` (the bench and the CLI sit on top of everything)."""
-    training = Path(hf_blockwise.__file__).parent.parent / "training"
+def test_recipes_and_scripts_import_no_tool() -> None:
+    """The training recipes and the scripts share their helpers beside them (`training/recipe_common.py`, `data.py`,
+    `scripts/script_common.py`) or take them from the library, never from `hf_blockwise.tools` (the bench and the CLI
+    sit on top of everything; scripts run the bench through its command line)."""
+    repository = Path(hf_blockwise.__file__).parent.parent
     offenders = []
-    for path in sorted(training.glob("*.py")):
+    for path in sorted([*(repository / "training").glob("*.py"), *(repository / "scripts").glob("*.py")]):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []

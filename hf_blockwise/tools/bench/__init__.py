@@ -19,7 +19,7 @@ Two modes measure the decoding loop itself rather than a drafter:
   model's cost of feeding k tokens per call ([`decoder_cost_curve`]) do, and no drafter can do better.
 
 The bench also runs on randomly initialised models of real models' shapes and random source ids
-(`--model-config`, [`hf_blockwise.tools.model_configs`]): greedy, loop and oracle need no trained drafter.
+(`--model-config`, [`hf_blockwise.evaluation.model_configs`]): greedy, loop and oracle need no trained drafter.
 
 The package by concern: `modes.py` (the grammar of mode names, parsed once into a [`Mode`]), `setup.py` (what
 the modes decode with, and the batches), `runners.py` (one runner per mode), `ct2_pass.py` (CTranslate2's own
@@ -28,7 +28,8 @@ pass), `cost_curve.py` (the decoder cost curve and speedup ceilings), `report.py
 every timing from the measurement harness ([`hf_blockwise.evaluation.harness`]).
 """
 
-from hf_blockwise.tools.bench.cost_curve import block_widths, decoder_cost_curve, set_speedup_ceilings, speedup_ceiling
+from hf_blockwise.evaluation.cost_curve import decoder_cost_curve, speedup_ceiling
+from hf_blockwise.tools.bench.cost_curve import block_widths, set_speedup_ceilings
 from hf_blockwise.tools.bench.modes import (
     ALL_MODES,
     COMPILED_MODES,

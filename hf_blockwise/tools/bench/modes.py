@@ -66,6 +66,9 @@ _BEAM_FAMILIES = ("loop", "greedy", "ct2", "heads", "seq_heads", "feature", "com
 _SIZED = re.compile(
     r"(heads|seq_heads|feature)_k(\d+)(?:_t([0-9.]+))?(?:_n(\d+)(?:_m(\d+))?)?(_int8)?|feature_t([0-9.]+)"
 )
+# GAD at another block size (`gad_k4`), and GAD++ with its top-β and tolerance τ (`gad_pp_k8_beta3_tau2`): the
+# settings of Ge et al.'s sweeps, each a mode of one run (`scripts/gad_sweep.py`)
+_GAD = re.compile(r"(gad|gad_pp)_k(\d+)(?:_beta(\d+))?(?:_tau([0-9.]+))?")
 # the drafter ([`hf_blockwise.loading.build_drafter`]) of each drafting family, from the one registry of drafters
 _DRAFTERS = {family: kind.name for kind in DRAFTERS.values() for family in kind.bench_families}
 _BATCH_ONE_ONLY = ("prompt_lookup", "assisted")  # transformers' assisted generation decodes one row at a time
@@ -91,6 +94,8 @@ class Mode:
         tree_nodes (`int`, *optional*): drafts per row of a tree (`feature_k6_n10`); `None` drafts chains.
         tree_branching (`int`): candidates per drafted state of a tree (`_m4`; default 2).
         num_beams (`int`): beam search of this many beams (`beam4`, `feature_compiled_b4`); 1: greedy.
+        top_beta (`int`, *optional*), tolerance (`float`, *optional*): GAD++'s β and τ (`gad_pp_k8_beta3_tau2`);
+            `None`: the bench's `--gad-top-beta` / `--gad-tolerance`.
     """
 
     name: str
@@ -102,6 +107,8 @@ class Mode:
     tree_nodes: int | None = None
     tree_branching: int = 2
     num_beams: int = 1
+    top_beta: int | None = None
+    tolerance: float | None = None
 
     @classmethod
     def parse(cls, name: str) -> Mode:
@@ -126,6 +133,9 @@ class Mode:
         oracle = _ORACLE.fullmatch(plain)
         if oracle:
             return cls(name, "oracle", compiled=compiled, block_size=int(oracle.group(1)))
+        gad = _gad_mode(name, plain, compiled)
+        if gad is not None:
+            return gad
         sized = _SIZED.fullmatch(plain)
         raw = sized and (sized.group(3) or sized.group(7))
         if sized and (not raw or _is_number(raw)):
@@ -138,8 +148,9 @@ class Mode:
         raise ValueError(
             f"Unknown mode {name!r}; choose from {MODE_NAMES}, oracle_k<k>, heads_k<k>, seq_heads_k<k>, feature_k<k>, "
             "feature_k<k>_t<threshold>, feature_t<threshold>, trees <heads|feature>_k<k>_n<nodes>[_m<branching>] (each "
-            "sized one also with _int8 and _compiled suffixes), beam<N> (transformers' beam search) and a chain mode "
-            "of the loop or CTranslate2 with _b<N> last (beam search of N beams)"
+            "sized one also with _int8 and _compiled suffixes), gad_k<k>[_compiled], gad_pp_k<k>[_beta<β>][_tau<τ>], "
+            "beam<N> (transformers' beam search) and a chain mode of the loop or CTranslate2 with _b<N> last (beam "
+            "search of N beams)"
         )
 
     @property
@@ -190,6 +201,20 @@ class Mode:
     def batch_one_only(self) -> bool:
         """Whether this mode only runs at batch size 1 (transformers' assisted generation decodes one row)."""
         return self.family in _BATCH_ONE_ONLY
+
+
+def _gad_mode(name: str, plain: str, compiled: bool) -> Mode | None:
+    """The sized GAD mode called `name` (`gad_k4`, `gad_pp_k8_beta3_tau2`; `plain` without `_compiled`), or `None`."""
+    gad = _GAD.fullmatch(plain)
+    if gad is None:
+        return None
+    family, block_size, beta, tau = gad.groups()
+    loose = beta is not None or tau is not None
+    # only GAD++ has β and τ, and only exact GAD runs through the engine (as the unsized families)
+    if (family == "gad" and loose) or (family == "gad_pp" and compiled) or not _is_number(tau or "0"):
+        return None
+    top_beta, tolerance = (int(beta) if beta else None), (float(tau) if tau else None)
+    return Mode(name, family, compiled, block_size=int(block_size), top_beta=top_beta, tolerance=tolerance)
 
 
 def _is_number(text: str) -> bool:

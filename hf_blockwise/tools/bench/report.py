@@ -8,9 +8,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from hf_blockwise.evaluation.cost_curve import speedup_ceiling
 from hf_blockwise.evaluation.harness import ModeResult
 from hf_blockwise.serialization import atomic_write, atomic_write_text
-from hf_blockwise.tools.bench.cost_curve import speedup_ceiling
 
 
 def _format(value: float | None, pattern: str) -> str:

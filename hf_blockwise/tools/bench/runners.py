@@ -99,21 +99,23 @@ _RUNNERS: dict[str, Callable[[Mode, BenchSetup], Runner]] = {
 
 
 def drafter_options(mode: Mode, setup: BenchSetup) -> DrafterOptions:
-    """How `mode` sets its drafter up: its block size and threshold (GAD: the setup's block size), the heads'
-    shortlist (not for `heads_full_vocab`), source copy's length and realignment (`iad_realign`)."""
+    """How `mode` sets its drafter up: its block size and threshold (GAD unsized: the setup's block size), the
+    heads' shortlist (not for `heads_full_vocab`), source copy's length and realignment (`iad_realign`)."""
+    gad_block_size = mode.block_size or setup.gad_block_size
     return DrafterOptions(
-        block_size=setup.gad_block_size if mode.drafter == "nar" else mode.block_size, threshold=mode.threshold,
+        block_size=gad_block_size if mode.drafter == "nar" else mode.block_size, threshold=mode.threshold,
         use_shortlist=mode.family != "heads_full_vocab", max_draft_length=setup.iad_max_draft_length,
         realign=mode.family == "iad_realign", tree_nodes=mode.tree_nodes, tree_branching=mode.tree_branching,
     )  # fmt: skip
 
 
-def _acceptance(mode: Mode, setup: BenchSetup) -> AcceptanceRule | None:
+def acceptance_rule(mode: Mode, setup: BenchSetup) -> AcceptanceRule | None:
     """The acceptance rule of `mode`: top-2 (`heads_top2`), GAD++ (`gad_pp`), else exact (`None`)."""
     if mode.family == "heads_top2":
         return TopKAcceptance(2)
     if mode.family == "gad_pp":
-        return GADPlusPlusAcceptance(setup.gad_top_beta, setup.gad_tolerance)
+        tolerance = setup.gad_tolerance if mode.tolerance is None else mode.tolerance
+        return GADPlusPlusAcceptance(mode.top_beta or setup.gad_top_beta, tolerance)
     return None
 
 
@@ -123,7 +125,7 @@ def _drafter_runner(mode: Mode, setup: BenchSetup) -> Runner:
     loaded = setup.loaded
     drafter = build_drafter(mode.drafter, loaded, drafter_options(mode, setup))
     kwargs: dict[str, Any] = {"assistant": drafter, "blockwise_compile": mode.compiled, "num_beams": mode.num_beams}
-    rule = _acceptance(mode, setup)
+    rule = acceptance_rule(mode, setup)
     if rule is not None:
         kwargs["acceptance"] = rule
     own_model = {"heads": loaded.heads_model, "seq_heads": loaded.sequential_heads_model}.get(mode.drafter)

@@ -14,6 +14,7 @@ from transformers.utils import logging as transformers_logging
 
 from hf_blockwise import boundary as hf
 from hf_blockwise.audio import read_audio_folder, read_wav
+from hf_blockwise.evaluation.model_configs import MODEL_CONFIGS, build_model, random_sources, resolve_name
 from hf_blockwise.loading import NAR_DRAFTER_SUBDIR, REALISTIC_MODEL, LoadedModel, default_max_new_tokens, load_model
 from hf_blockwise.serialization import atomic_write_text
 from hf_blockwise.text_files import read_lines
@@ -34,7 +35,6 @@ from hf_blockwise.tools.bench import (
 )
 from hf_blockwise.tools.cli.arguments import positive_int, require_tokenizer
 from hf_blockwise.tools.cli.demo import DEMO_SENTENCES
-from hf_blockwise.tools.model_configs import MODEL_CONFIGS, build_model, random_sources, resolve_name
 
 # `--model-config` runs: sources of this many random token ids, and these defaults
 MODEL_CONFIG_SOURCE_LENGTH = 20
@@ -251,6 +251,15 @@ def _add_bench_source_arguments(bench: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+_MODES_HELP = (
+    "any of " + " ".join(MODE_NAMES) + ", oracle_k<k>, heads_k<k>, seq_heads_k<k>, feature_k<k>, "
+    "feature_k<k>_t<threshold>, feature_t<threshold>, each also with a _compiled suffix, gad_k<k>, "
+    "gad_pp_k<k>[_beta<β>][_tau<τ>], trees <heads|feature>_k<k>_n<nodes>[_m<branching>], beam<N> and <mode>_b<N> "
+    "(beam search); or all (every mode); default: the references, CTranslate2, the fastest exact modes and the "
+    "oracle: " + " ".join(DEFAULT_MODES)
+)
+
+
 def _add_bench_mode_arguments(bench: argparse.ArgumentParser) -> None:
     """How `bench` decodes (modes, batch sizes, drafters)."""
     bench.add_argument(
@@ -260,15 +269,7 @@ def _add_bench_mode_arguments(bench: argparse.ArgumentParser) -> None:
         default=[1, 16],
         help="those larger than the sentences are skipped",
     )
-    bench.add_argument(
-        "--modes",
-        nargs="+",
-        default=None,
-        type=_mode_name,
-        help="any of " + " ".join(MODE_NAMES) + ", oracle_k<k>, heads_k<k>, seq_heads_k<k>, feature_k<k>, "
-        "feature_k<k>_t<threshold>, feature_t<threshold>, each also with a _compiled suffix; or all (every mode); "
-        "default: the references, CTranslate2, the fastest exact modes and the oracle: " + " ".join(DEFAULT_MODES),
-    )
+    bench.add_argument("--modes", nargs="+", default=None, type=_mode_name, help=_MODES_HELP)
     bench.add_argument(
         "--fast-path",
         action="store_true",
