@@ -326,3 +326,16 @@ def test_a_name_neither_local_nor_on_the_hub_is_a_clear_error(tmp_path) -> None:
         from_hub(unreachable, "org/opus-mt-en-dee", "--model / model")
     with pytest.raises(OSError, match="couldn't connect"):  # a folder that exists keeps transformers' own error
         from_hub(unreachable, tmp_path, "--model / model")
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (1, 0), (1, 600)], ids=["no rows", "no tokens", "past the positions"])
+def test_inputs_the_encoder_cannot_take_raise_what_greedy_raises(marian, shape) -> None:
+    """Empty batches, empty sources and sources past the model's positions fail in the encoder, before any
+    decoding: `custom_generate=blockwise_generate` raises transformers' own greedy error, word for word."""
+    input_ids = torch.randint(5, 50, shape, generator=torch.Generator().manual_seed(0))
+    errors = []
+    for kwargs in ({}, {"custom_generate": blockwise_generate}):
+        with pytest.raises((RuntimeError, IndexError)) as raised:
+            marian.generate(input_ids=input_ids, max_new_tokens=5, **kwargs)
+        errors.append((raised.type, str(raised.value)))
+    assert errors[0] == errors[1]
