@@ -118,8 +118,32 @@ def _assign_zeros(model) -> None:
     weight.data = torch.zeros_like(weight)
 
 
-@pytest.mark.parametrize("change", [_negate_projection, _scale_attention, _assign_zeros])
-def test_writes_through_data_change_the_weights_snapshot(change) -> None:
+def _copy_into(model) -> None:
+    weight = model.get_decoder().layers[0].fc1.weight
+    with torch.no_grad():
+        weight.copy_(torch.randn_like(weight))
+
+
+def _load_state_dict(model) -> None:
+    state = {name: value.clone() for name, value in model.state_dict().items()}
+    state["lm_head.weight"] = torch.randn_like(state["lm_head.weight"])
+    model.load_state_dict(state)
+
+
+def _optimizer_step(model) -> None:
+    batch = random_batch(model, 2, seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(**batch, labels=batch["input_ids"]).loss.backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize(
+    "change", [_negate_projection, _scale_attention, _assign_zeros, _copy_into, _load_state_dict, _optimizer_step]
+)
+def test_every_way_of_changing_weights_changes_the_weights_snapshot(change) -> None:
+    """Writes through `.data` (no version counter moves), `copy_` and in-place ops under `no_grad`,
+    `load_state_dict`, an optimizer step: the engine's snapshot sees each, so the next compiled generate recompiles
+    (end to end below, for a `.data` write)."""
     model = build_model("marian", seed=4)
     snapshot = engine_module.WeightsSnapshot(model)
     change(model)
