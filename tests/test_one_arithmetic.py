@@ -63,9 +63,9 @@ def _chain_and_one_at_a_time(model, batch: dict, tokens: torch.Tensor) -> tuple[
 
 @pytest.mark.parametrize("architecture", INT8_ARCHITECTURES)
 def test_int8_calls_and_drafting_are_bitwise_those_of_one_token_calls(architecture: str) -> None:
-    """A 5-token call against 5 one-token calls (logits, `torch.equal`), then drafts right most of the time and
-    wrong sometimes, chains of 2-4: identical to the engine's greedy, with no near-tie allowance; batch 1 and 3
-    (rows finishing apart). One test per model, so that one worker compiles its graphs."""
+    """A 5-token call against 5 one-token calls (logits, `torch.equal`), then (at opus-mt's width) drafts right most
+    of the time and wrong sometimes, chains of 2-4: identical to the engine's greedy, with no near-tie allowance;
+    batch 1 and 3 (rows finishing apart). One test per model, so that one worker compiles its graphs."""
     model = quantize_dynamic_int8(_model(architecture))
     for batch_size in (1, 3):
         batch = random_batch(model, batch_size, seed=batch_size)
@@ -73,6 +73,8 @@ def test_int8_calls_and_drafting_are_bitwise_those_of_one_token_calls(architectu
         tokens = torch.randint(4, model.config.vocab_size, (batch_size, NUM_FED), generator=generator)
         together, alone = _chain_and_one_at_a_time(model, batch, tokens)
         assert torch.equal(together, alone), (batch_size, float((together - alone).abs().max()))
+    if architecture != "bart-512":  # drafting on opus-mt's width; elsewhere it follows from the calls' equality
+        return
     for batch_size, seed in ((1, 0), (3, 1)):
         batch = random_batch(model, batch_size, seed=seed)
         kwargs = {"custom_generate": blockwise_generate, "max_new_tokens": 20, "blockwise_compile": True}
