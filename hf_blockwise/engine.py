@@ -12,7 +12,8 @@ What keeps the compiled graph from recompiling during a call:
   buffers, cropping moves a write position (a tensor, no host read), and the buffer length is rounded up to a
   multiple of 64 so that calls of similar lengths share it;
 - shapes are dynamic (`dynamic=True`): one graph serves every feed width from 3 up and every source length;
-  batch size 1 gets a graph of its own (dynamo specializes sizes of 1);
+  batch size 1 gets a graph of its own (dynamo specializes sizes of 1); duck shaping is off, so sizes that happen
+  to be equal when a graph is traced (3 rows feeding 3 columns) are not taken for one;
 - the first forward of a call, which writes the cross-attention cache, runs eagerly;
 - the decoder states that state-reading drafters need are an output of the same graph: a hook on the output
   projection, registered before compilation and traced into the graph, hands over its input.
