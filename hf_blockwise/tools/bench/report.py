@@ -44,8 +44,8 @@ def markdown_table(results: Sequence[ModeResult], header: str) -> str:
         lines += [
             "",
             "¹ generated tokens equal, token for token, to greedy decoding of the same model (int8 modes: the int8 "
-            "model; `ct2*`: transformers' float32 greedy, which another engine need not match); `oracle_k*` must be "
-            "100%",
+            "model; `ct2*`: transformers' float32 greedy, which another engine need not match; `*_b<N>` modes: "
+            "transformers' beam search of N beams, `beam<N>`, itself compared with greedy); `oracle_k*` must be 100%",
         ]
     if "ceiling" in columns:
         lines += [
