@@ -87,9 +87,9 @@ def test_demo_runs_offline_on_a_saved_directory(tmp_path, capsys) -> None:
         main(["demo", "--model", str(tmp_path / "missing")])
 
 
-# every kind of mode: transformers' references, each drafter eager and compiled, int8, the loop and the oracle
-# every family eager, and the engine's kinds of compiled mode once each (its reference, a drafter with a compiled
-# drafting block, transformers' compiled greedy, int8): the engine under every drafter is tests/test_engine.py's
+# every kind of mode: transformers' references, every family eager, the loop and the oracle, int8, and the engine's
+# kinds of compiled mode once each (its reference, a drafter with a compiled drafting block, transformers' compiled
+# greedy, int8 greedy and drafting): the engine under every drafter is tests/test_engine.py's
 EVERY_KIND_OF_MODE = (
     "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_top2", "seq_heads", "feature", "composite", "iad",
     "gad", "gad_pp", "loop", "oracle", "greedy_compiled", "feature_compiled", "hf_greedy_compiled", "greedy_int8",
