@@ -19,20 +19,25 @@ What keeps the compiled graph from recompiling during a call:
   projection, registered before compilation and traced into the graph, hands over its input.
 
 One arithmetic for every call of a decode. A token's logits must not depend on how many tokens its call feeds, or
-a verification call of k tokens could round differently from greedy's one-token calls. Measured on this CPU, two
-kernels do depend on it, only below 3 rows: float32 `linear` and attention's products take another path (gemv) for
-one row, and attention at opus-mt's head size for two as well; from 3 up to ~13 rows they give a row the same bits
-(sgemm). So the engine
-feeds every call at least `MIN_FEED_WIDTH` (3) columns, greedy's one-token calls padded with filler that causal
-attention hides, and every cache of a decode has the same capacity, whatever the drafter's block size (attention
-reads the whole buffer; a longer one may group its masked sums differently). With int8 products, which are exact
-(int32 sums) for any number of rows, a k-token call then computes bit for bit what k one-token calls compute, at
-any batch size: the engine's greedy (`blockwise_compile=True`, no assistant) *is* the int8 model's greedy output,
-and every drafter reproduces it by construction (`tests/test_one_arithmetic.py` checks the logits with
-`torch.equal`).
-float32 products depend on the rows of the whole call (batch x width), so in float32 this holds only where that
-count stays within one sgemm path; elsewhere, and against transformers' eager greedy (other kernels, fused
-differently), an output may differ only at a near-tie, which [`first_divergence`] shows.
+a verification call of k tokens could round differently from greedy's one-token calls. Library kernels choose their
+path by the call's shape and the machine (gemv for one row, small-matrix kernels, split K; other thresholds on each
+CPU vendor), so on CPU the engine compiles through [`fixed_order.fixed_order_backend`]: attention's products (and
+any float `matmul`) become inductor loops whose reduction order is fixed by the generated code, the same for every
+feed width and batch size. With int8 linears (exact int32 sums) every product of the decoder is then exact or in an
+order the graph owns, and a k-token call computes bit for bit what k one-token calls compute, on any CPU: the int8
+engine's greedy (`blockwise_compile=True`, no assistant) *is* the int8 model's greedy output, and every drafter
+reproduces it by construction. float32 `linear`s stay on oneDNN's prepacked kernels (inductor's loops cost ~1.4x a
+call on the 2-core EPYC), so a float32 engine is exact up to near-ties ([`first_divergence`]), unless
+`CompileOptions(fixed_order_linears=True)` owns them too. A decode of b rows that shrinks to one row moves to the
+batch-1 graph; the generated kernels give a row the same bits in both.
+
+Checked where it runs: where every float product of the engine's graphs is owned, the first drafted decode of each
+batch class (one row, several) runs [`CompiledDecoder.check_arithmetic`]: a wide call against one-token calls on
+the call's own encoder output (and a several-row call's first row against the same row alone), `torch.equal` on
+logits. It passes, or a [`OneArithmeticWarning`] (once per engine) names what differed and by how much: outputs are
+then exact up to near-ties on this machine, never a silent claim. Every call feeds at least `MIN_FEED_WIDTH` (2)
+columns, filler that causal attention hides, so that one graph serves every width (dynamo specializes a size of 1);
+every cache of a decode has one capacity, whatever the drafter's block size.
 
 Where the compiled objects live, and when they are dropped:
 
@@ -52,7 +57,9 @@ Where the compiled objects live, and when they are dropped:
 
 from __future__ import annotations
 
+import functools
 import shutil
+import time
 import types
 import warnings
 import weakref
@@ -66,12 +73,13 @@ import torch.fx.experimental._config as fx_config
 from torch import nn
 
 from hf_blockwise import boundary as hf
+from hf_blockwise.fixed_order import GraphProducts, fixed_order_backend
 
 # static cache buffers are rounded up to this many positions, so that calls of similar lengths share their shape
 _CACHE_ROUNDING = 64
-# every compiled call feeds at least this many columns: kernels give a row the same bits at every width from 3 up
-# (below, one row and two take other paths); see the module docstring
-MIN_FEED_WIDTH = 3
+# every compiled call feeds at least this many columns, so that one graph serves every width: dynamo specializes a
+# size of 1 (the arithmetic does not depend on the width; see the module docstring)
+MIN_FEED_WIDTH = 2
 # the static cache's room past max_length, the same for every drafter whose feeds fit it (block_size + 1 columns),
 # so that greedy and drafting decodes of one input attend over buffers of the same length
 _CACHE_SLACK = 16
@@ -79,6 +87,29 @@ _CACHE_SLACK = 16
 
 class CompileUnavailableError(RuntimeError):
     """torch.compile cannot run here (no C++ compiler for inductor on CPU, a torch without dynamo)."""
+
+
+class OneArithmeticWarning(UserWarning):
+    """The engine's probe found, on this machine, a verification call that does not compute bit for bit what
+    one-token calls compute: outputs are exact up to near-ties here, not bitwise."""
+
+
+@dataclass(frozen=True)
+class ArithmeticVerdict:
+    """What [`CompiledDecoder.check_arithmetic`] found for one kind of decode.
+
+    Attributes:
+        claimed (`bool`): the graphs own every float product ([`fixed_order.own_products`]), so the engine claims
+            one arithmetic; `False` where a float product stays with a library (float32 `linear`s by default).
+        bitwise (`bool`): every probed call computed what one-token calls compute, bit for bit.
+        difference (`str`): which comparison differed first and by how much; empty when bitwise.
+        seconds (`float`): the probe's wall time, compilation of the graphs it is the first to run included.
+    """
+
+    claimed: bool
+    bitwise: bool
+    difference: str
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -91,11 +122,15 @@ class CompileOptions:
             and the default on CPU.
         freezing (`bool`, defaults to `True`): inductor's freezing on CPU: weights become constants of the graph,
             prepacked for oneDNN (the gain on CPU). The graph then holds its own copy of the weights.
+        fixed_order_linears (`bool`, defaults to `False`): on CPU, float `linear`s computed by inductor's own loops
+            too ([`fixed_order.own_products`]), so that a float32 engine keeps the one-arithmetic contract (int8
+            linears are exact either way); slower: ~1.4x a float32 call on the 2-core EPYC.
     """
 
     backend: str = "inductor"
     mode: str | None = None
     freezing: bool = True
+    fixed_order_linears: bool = False
 
     @classmethod
     def coerce(cls, value: bool | CompileOptions | None) -> CompileOptions | None:
@@ -196,13 +231,21 @@ class CompiledModule:
         options ([`CompileOptions`]).
         owner (`nn.Module`): the model whose weights `module` uses (or derives buffers from): the snapshot that
             tells a stale graph ([`WeightsSnapshot`]) is taken of it.
+        own_products (`bool`): on CPU with inductor, compile through [`fixed_order.fixed_order_backend`] (the
+            verification forward: one arithmetic); drafting blocks, whose bits decide nothing, keep the libraries.
+
+    Attributes:
+        graph_products (`list[GraphProducts]`): one report per graph compiled through the fixed-order backend.
     """
 
-    def __init__(self, module: nn.Module, options: CompileOptions, owner: nn.Module) -> None:
+    def __init__(
+        self, module: nn.Module, options: CompileOptions, owner: nn.Module, own_products: bool = False
+    ) -> None:
         device = next(owner.parameters()).device
         check_compile_available(device, options)
         self.options = options
         self.weights = WeightsSnapshot(owner)
+        self.graph_products: list[GraphProducts] = []
         mode = options.mode
         if mode is None and device.type == "cuda":
             mode = "reduce-overhead"
@@ -210,7 +253,10 @@ class CompiledModule:
         # addresses that freezing would fold
         self.freezing = options.freezing and options.backend == "inductor" and mode != "reduce-overhead"
         module.forward = types.MethodType(own_code(type(module).forward), module)
-        self._compiled = torch.compile(module, backend=options.backend, mode=mode, dynamic=True)
+        backend: Any = options.backend
+        if own_products and options.backend == "inductor" and device.type == "cpu" and mode is None:
+            backend = fixed_order_backend(options.fixed_order_linears, self.graph_products.append)
+        self._compiled = torch.compile(module, backend=backend, mode=None if callable(backend) else mode, dynamic=True)
 
     def __call__(self, *args: Any) -> Any:
         # inductor reads `freezing` from its global config when it compiles (torch.compile's options= do not reach
@@ -241,10 +287,21 @@ class CompiledDecoder:
         self.position_limit = hf.decoder_position_limit(model)
         self.num_layers = hf.decoder_layer_count(model)
         self._step = _DecoderStep(model)
-        self._compiled = CompiledModule(self._step, options, model)
+        self._compiled = CompiledModule(self._step, options, model, own_products=True)
         self.weights = self._compiled.weights  # the model's weights as the graph freezes them
         self.freezing = self._compiled.freezing
         self.compiled_calls = 0
+        # probe results by (several rows, tree feed): what this machine computes does not change between calls
+        self.verdicts: dict[tuple[bool, bool], ArithmeticVerdict] = {}
+
+    def library_products(self) -> dict[str, int]:
+        """Float products that the graphs compiled so far leave to library kernels (their bits depend on the row
+        count), by kind; empty where every float product is computed in an order the graphs own."""
+        kinds: dict[str, int] = {}
+        for report in self._compiled.graph_products:
+            for kind, count in report.library.items():
+                kinds[kind] = kinds.get(kind, 0) + count
+        return kinds
 
     def close(self) -> None:
         """Removes the engine's hooks from the model (done when an engine is dropped)."""
@@ -301,6 +358,106 @@ class CompiledDecoder:
         if tree is None:
             return ()
         return tree.depth, hf.tree_attention_mask(self._step.model_ref(), cache, cache_length, tree)
+
+    def check_arithmetic(
+        self, prompt: torch.Tensor, forward_kwargs: dict[str, Any], max_length: int, width: int, tree: bool = False
+    ) -> ArithmeticVerdict:
+        """Probes, on this machine and this model, whether a `width`-token call computes what one-token calls
+        compute; once per engine for each kind of decode (one row or several, chains or trees).
+
+        On the call's own encoder output, over scratch caches of the decode's capacity: `width` random tokens fed
+        in one call against the same tokens fed one per call (`torch.equal` on logits); with several rows, the first
+        row's logits against that row decoded alone (the batch-1 graph a shrinking decode moves to); with `tree`, the
+        same tokens fed as a tree of one chain through the tree graph. A difference, where the graphs claim one
+        arithmetic, warns once ([`OneArithmeticWarning`]).
+
+        Args:
+            prompt (`torch.LongTensor` of shape `(batch_size, prompt_length)`): the decoder start (and prompt).
+            forward_kwargs (`dict`): the call's encoder outputs and attention mask.
+            max_length (`int`): the decode's length limit (the scratch caches get the decode's capacity).
+            width (`int`): the widest feed of the decode.
+            tree (`bool`): the decode feeds trees.
+
+        Returns:
+            [`ArithmeticVerdict`].
+        """
+        key = (prompt.shape[0] > 1, tree)
+        if key not in self.verdicts:
+            begin = time.perf_counter()
+            with torch.no_grad():
+                difference = self._probe(prompt, forward_kwargs, max_length, width, tree)
+            library = self.library_products()
+            verdict = ArithmeticVerdict(not library, not difference, difference, time.perf_counter() - begin)
+            if verdict.claimed and difference and all(old.bitwise for old in self.verdicts.values() if old.claimed):
+                warnings.warn(
+                    f"The compiled engine's one-arithmetic probe failed on this machine: {difference}. Verification "
+                    "calls do not compute bit for bit what one-token calls compute here, so outputs are exact up to "
+                    "near-ties (see hf_blockwise.first_divergence), not bitwise.",
+                    OneArithmeticWarning,
+                    stacklevel=4,
+                )
+            self.verdicts[key] = verdict
+        return self.verdicts[key]
+
+    def _probe(
+        self, prompt: torch.Tensor, forward_kwargs: dict[str, Any], max_length: int, width: int, tree: bool
+    ) -> str:
+        """The probe's comparisons; the first that differs, described, or an empty string."""
+        if self.position_limit is not None:
+            width = max(1, min(width, self.position_limit - prompt.shape[1]))
+        vocab_size = self._step.model_ref().get_input_embeddings().num_embeddings
+        generator = torch.Generator().manual_seed(0)  # the caller's random state is left alone
+        tokens = torch.randint(vocab_size, (prompt.shape[0], width), generator=generator).to(prompt.device)
+        probe = functools.partial(self._probe_logits, max_length=max_length)
+        together = probe(prompt, forward_kwargs, tokens, one_call=True)  # (b, width, V)
+        comparisons = [
+            (f"a {width}-token call against one-token calls", together,
+             lambda: probe(prompt, forward_kwargs, tokens, one_call=False)),
+        ]  # fmt: skip
+        if prompt.shape[0] > 1:  # a decode whose rows finish apart moves to the batch-1 graph
+            alone = hf.select_forward_rows(forward_kwargs, torch.zeros(1, dtype=torch.long, device=prompt.device))
+            comparisons.append(
+                ("a several-row call's first row against that row alone", together[:1],
+                 lambda: probe(prompt[:1], alone, tokens[:1], one_call=True))
+            )  # fmt: skip
+        if tree:
+            comparisons.append(
+                ("a tree call of one chain against a chain call", together,
+                 lambda: probe(prompt, forward_kwargs, tokens, one_call=True, as_tree=True))
+            )  # fmt: skip
+        for description, logits, reference in comparisons:
+            expected = reference()
+            if not torch.equal(logits, expected):
+                largest = float((logits - expected).abs().max())
+                return f"{description} (batch {logits.shape[0]}): max |logit difference| {largest:.3g}"
+        return ""
+
+    def _probe_logits(
+        self,
+        prompt: torch.Tensor,
+        forward_kwargs: dict[str, Any],
+        tokens: torch.Tensor,
+        one_call: bool,
+        max_length: int,
+        as_tree: bool = False,
+    ) -> torch.Tensor:
+        """Logits of `tokens` (shape `(b, n)`) after `prompt` in a fresh cache: fed in one call (a chain, or with
+        `as_tree` a tree of one chain), or one token per call with the cache cropped back after each call's filler
+        (as the loop does)."""
+        cache = self.new_cache(max_length, tokens.shape[1])
+        self.forward(prompt, cache, forward_kwargs, cache_length=0)
+        start = prompt.shape[1]
+        if one_call:
+            batch, width = tokens.shape
+            depth = torch.arange(width, device=tokens.device).expand(batch, -1)
+            chain = torch.ones(width, width, dtype=torch.bool, device=tokens.device).tril().expand(batch, -1, -1)
+            tree = hf.TreeInputs(depth=depth, ancestors=chain) if as_tree else None
+            return self.forward(tokens, cache, forward_kwargs, start, tree)[0]
+        logits = []
+        for column in range(tokens.shape[1]):
+            logits.append(self.forward(tokens[:, column : column + 1], cache, forward_kwargs, start + column)[0])
+            hf.crop_cache(cache, start + column + 1)
+        return torch.cat(logits, dim=1)
 
 
 class _DecoderStep(nn.Module):

@@ -121,6 +121,15 @@ def with_engine(
     return call, engine
 
 
+def probe_engine(engine: CompiledDecoder | None, call: hf.GenerateCall, feed_limit: int, tree: bool) -> None:
+    """Runs the engine's one-arithmetic probe ([`CompiledDecoder.check_arithmetic`]) before a decode that feeds
+    several tokens per row (once per engine and kind of decode; it warns where the contract fails here). Greedy
+    decodes feed one token per call, the contract's reference: nothing to check."""
+    if engine is not None and feed_limit > 1:
+        max_length = call.stop_rules.max_length
+        engine.check_arithmetic(call.decoder_input_ids, call.forward_kwargs, max_length, feed_limit, tree)
+
+
 def decoding_setup(
     model: nn.Module,
     call: hf.GenerateCall,
@@ -179,6 +188,7 @@ def beam_generate(
         block_size=block_size, filler_token_id=call.filler_token_id, engine=engine,
         position_limit=hf.decoder_position_limit(model),
     )  # fmt: skip
+    probe_engine(engine, call, feed_limit, drafter.tree_nodes is not None)
     compiled_before = 0 if engine is None else engine.compiled_calls
     return beam_search(initial_beam_state(call, setup), setup, compiled_before)
 
@@ -232,6 +242,7 @@ def blockwise_generate(
     feed_limit = block_size if drafter.tree_nodes is None else block_size + drafter.tree_nodes
     call, engine = with_engine(model, call, feed_limit, blockwise_compile)
     setup = decoding_setup(model, call, drafter, rule, logits_processor, block_size, engine)
+    probe_engine(engine, call, feed_limit, drafter.tree_nodes is not None)
     compiled_before = 0 if engine is None else engine.compiled_calls
     state = initial_state(call, setup)
     while state.num_rows > 0:
