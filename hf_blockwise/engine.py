@@ -294,14 +294,16 @@ class CompiledDecoder:
         # probe results by (several rows, tree feed): what this machine computes does not change between calls
         self.verdicts: dict[tuple[bool, bool], ArithmeticVerdict] = {}
 
-    def library_products(self) -> dict[str, int]:
-        """Float products that the graphs compiled so far leave to library kernels (their bits depend on the row
-        count), by kind; empty where every float product is computed in an order the graphs own."""
-        kinds: dict[str, int] = {}
+    def products(self) -> GraphProducts:
+        """The float products of the graphs compiled so far, by kind: those computed in an order the graphs own, and
+        those left to library kernels (their bits depend on the row count; none where the contract is claimed)."""
+        merged = GraphProducts()
         for report in self._compiled.graph_products:
+            for kind, count in report.owned.items():
+                merged.owned[kind] = merged.owned.get(kind, 0) + count
             for kind, count in report.library.items():
-                kinds[kind] = kinds.get(kind, 0) + count
-        return kinds
+                merged.library[kind] = merged.library.get(kind, 0) + count
+        return merged
 
     def close(self) -> None:
         """Removes the engine's hooks from the model (done when an engine is dropped)."""
@@ -367,9 +369,9 @@ class CompiledDecoder:
 
         On the call's own encoder output, over scratch caches of the decode's capacity: `width` random tokens fed
         in one call against the same tokens fed one per call (`torch.equal` on logits); with several rows, the first
-        row's logits against that row decoded alone (the batch-1 graph a shrinking decode moves to); with `tree`, the
-        same tokens fed as a tree of one chain through the tree graph. A difference, where the graphs claim one
-        arithmetic, warns once ([`OneArithmeticWarning`]).
+        row's logits against that row decoded alone (the batch-1 graph a shrinking decode moves to); with `tree`, a
+        tree of the same tokens (a chain and a side branch) through the tree graph against its paths fed as chains.
+        A difference, where the graphs claim one arithmetic, warns once ([`OneArithmeticWarning`]).
 
         Args:
             prompt (`torch.LongTensor` of shape `(batch_size, prompt_length)`): the decoder start (and prompt).
@@ -386,8 +388,8 @@ class CompiledDecoder:
             begin = time.perf_counter()
             with torch.no_grad():
                 difference = self._probe(prompt, forward_kwargs, max_length, width, tree)
-            library = self.library_products()
-            verdict = ArithmeticVerdict(not library, not difference, difference, time.perf_counter() - begin)
+            seconds = time.perf_counter() - begin
+            verdict = ArithmeticVerdict(not self.products().library, not difference, difference, seconds)
             if verdict.claimed and difference and all(old.bitwise for old in self.verdicts.values() if old.claimed):
                 warnings.warn(
                     f"The compiled engine's one-arithmetic probe failed on this machine: {difference}. Verification "
@@ -420,11 +422,15 @@ class CompiledDecoder:
                 ("a several-row call's first row against that row alone", together[:1],
                  lambda: probe(prompt[:1], alone, tokens[:1], one_call=True))
             )  # fmt: skip
-        if tree:
-            comparisons.append(
-                ("a tree call of one chain against a chain call", together,
-                 lambda: probe(prompt, forward_kwargs, tokens, one_call=True, as_tree=True))
-            )  # fmt: skip
+        if tree:  # a chain of width - 1 and a side branch after its first node
+            shape = _probe_tree(prompt.shape[0], width, prompt.device)
+            in_tree = probe(prompt, forward_kwargs, tokens, one_call=True, tree=shape)
+            branch = tokens[:, [0, width - 1]]  # the side branch's path, fed as a chain
+            comparisons += [
+                ("a tree call's main chain against a chain call", in_tree[:, :-1], lambda: together[:, :-1]),
+                ("a tree call's side branch against its path as a chain", in_tree[:, -1:],
+                 lambda: probe(prompt, forward_kwargs, branch, one_call=True)[:, -1:]),
+            ]  # fmt: skip
         for description, logits, reference in comparisons:
             expected = reference()
             if not torch.equal(logits, expected):
@@ -439,25 +445,30 @@ class CompiledDecoder:
         tokens: torch.Tensor,
         one_call: bool,
         max_length: int,
-        as_tree: bool = False,
+        tree: hf.TreeInputs | None = None,
     ) -> torch.Tensor:
-        """Logits of `tokens` (shape `(b, n)`) after `prompt` in a fresh cache: fed in one call (a chain, or with
-        `as_tree` a tree of one chain), or one token per call with the cache cropped back after each call's filler
-        (as the loop does)."""
+        """Logits of `tokens` (shape `(b, n)`) after `prompt` in a fresh cache: fed in one call (a chain, or the
+        tree `tree`), or one token per call with the cache cropped back after each call's filler (as the loop
+        does)."""
         cache = self.new_cache(max_length, tokens.shape[1])
         self.forward(prompt, cache, forward_kwargs, cache_length=0)
         start = prompt.shape[1]
         if one_call:
-            batch, width = tokens.shape
-            depth = torch.arange(width, device=tokens.device).expand(batch, -1)
-            chain = torch.ones(width, width, dtype=torch.bool, device=tokens.device).tril().expand(batch, -1, -1)
-            tree = hf.TreeInputs(depth=depth, ancestors=chain) if as_tree else None
             return self.forward(tokens, cache, forward_kwargs, start, tree)[0]
         logits = []
         for column in range(tokens.shape[1]):
             logits.append(self.forward(tokens[:, column : column + 1], cache, forward_kwargs, start + column)[0])
             hf.crop_cache(cache, start + column + 1)
         return torch.cat(logits, dim=1)
+
+
+def _probe_tree(batch_size: int, width: int, device: torch.device) -> hf.TreeInputs:
+    """The probe's tree of `width` nodes: a chain of `width - 1`, then a side branch after the first node."""
+    ancestors = torch.ones(width, width, dtype=torch.bool, device=device).tril()  # (width, width)
+    ancestors[-1, 1:-1] = False  # the last node's ancestors: node 0 only
+    depth = torch.arange(width, device=device)
+    depth[-1] = min(1, width - 1)
+    return hf.TreeInputs(depth=depth.repeat(batch_size, 1), ancestors=ancestors.repeat(batch_size, 1, 1))
 
 
 class _DecoderStep(nn.Module):

@@ -72,9 +72,14 @@ def fixed_order_attention(
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
     peak = scores.amax(dim=-1, keepdim=True)  # (..., L, 1); exact in any order
-    weights = torch.exp(scores - peak)
-    weights = torch.where(peak == float("-inf"), 0.0, weights / weights.sum(dim=-1, keepdim=True))
-    return (weights.unsqueeze(-1) * value.unsqueeze(-3)).sum(-2)  # (..., L, head_dim)
+    weights = torch.exp(scores - peak)  # (..., L, S); 0 where masked
+    # the normalizer is summed with the values, as a last column of ones: both sums run over the keys in slot order
+    # (the keys are not the contiguous dimension of `value`), so the zeros of masked keys change no bit, and a tree
+    # node gets what its path gets as a chain, whatever slots its ancestors hold
+    ones = torch.ones_like(value[..., :1])
+    sums = (weights.unsqueeze(-1) * torch.cat([value, ones], dim=-1).unsqueeze(-3)).sum(-2)  # (..., L, head_dim + 1)
+    normalizer = sums[..., -1:]
+    return torch.where(normalizer > 0, sums[..., :-1] / normalizer, 0.0)  # a row that attends nowhere: zeros
 
 
 def fixed_order_matmul(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:

@@ -137,13 +137,13 @@ def test_compiled_tree_drafts_give_the_engines_greedy() -> None:
 
 @pytest.mark.parametrize("quantized", [True, False])
 def test_a_tree_call_computes_bitwise_what_chain_calls_compute(quantized: bool) -> None:
-    """In the compiled engine (one arithmetic), every node of this tree call gets the logits of its path fed as a chain:
-    the main chain and two branches, at batch 1 and 3 (float32 stays within one sgemm path at these widths). Not a
-    guarantee for every model and tree: on marian-base-en-de a side branch's node can differ in the last bits
-    (`generation/tree.py`)."""
+    """In the compiled engine (one arithmetic: int8, or float32 with `fixed_order_linears`), every node of this tree
+    call gets the logits of its path fed as a chain: the main chain and two branches, at batch 1 and 3. A side
+    branch's node sits at another slot than in its chain; attention sums the keys in slot order, so the masked slots
+    between add zeros and change no bit (`fixed_order.fixed_order_attention`)."""
     model = _model("bart-512")
     model = quantize_dynamic_int8(model) if quantized else model
-    engine = compiled_decoder(model, CompileOptions())
+    engine = compiled_decoder(model, CompileOptions(fixed_order_linears=not quantized))
     parents = torch.tensor([-1, 0, 1, 2, 3, 0, 2])  # a chain of 5, then x after node 0 and y after node 2
     for batch_size in (1, 3):
         batch = random_batch(model, batch_size, seed=batch_size)
