@@ -31,11 +31,12 @@ call on the 2-core EPYC), so a float32 engine is exact up to near-ties ([`first_
 `CompileOptions(fixed_order_linears=True)` owns them too. A decode of b rows that shrinks to one row moves to the
 batch-1 graph; the generated kernels give a row the same bits in both.
 
-Checked where it runs: where every float product of the engine's graphs is owned, the first drafted decode of each
-batch class (one row, several) runs [`CompiledDecoder.check_arithmetic`]: a wide call against one-token calls on
-the call's own encoder output (and a several-row call's first row against the same row alone), `torch.equal` on
-logits. It passes, or a [`OneArithmeticWarning`] (once per engine) names what differed and by how much: outputs are
-then exact up to near-ties on this machine, never a silent claim. Every call feeds at least `MIN_FEED_WIDTH` (2)
+Checked where it runs: the first drafted decode of each kind (one row, several rows, several rows left with one;
+chains or trees) runs [`CompiledDecoder.check_arithmetic`]: a wide call against one-token calls on the call's own
+encoder output (a row left of several against the same row in a two-row call; a tree's side branch against its
+path as a chain), `torch.equal` on logits. Where the graphs own every float product, it passes or a
+[`OneArithmeticWarning`] (once per engine) names what differed and by how much: outputs are then exact up to
+near-ties on this machine, never a silent claim. Every call feeds at least `MIN_FEED_WIDTH` (2)
 columns, filler that causal attention hides, so that one graph serves every width (dynamo specializes a size of 1);
 every cache of a decode has one capacity, whatever the drafter's block size.
 
@@ -263,7 +264,13 @@ class CompiledModule:
         # that decision), so it is set for the call only and restored after it. Duck shaping is off for the same
         # span: it would give sizes that happen to be equal when a graph is traced (a first call of 3 rows feeding
         # 3 columns) one symbol, and every later call where they differ would compile again
-        with torch._inductor.config.patch(freezing=self.freezing), fx_config.patch(use_duck_shape=False):
+        # Python floats (attention's scale) are constants of the graph: traced as symbols, they made dynamo restart
+        # its analysis once per graph (measured: ~12% of a tiny decoder's compile time)
+        with (
+            torch._inductor.config.patch(freezing=self.freezing),
+            fx_config.patch(use_duck_shape=False),
+            torch._dynamo.config.patch(specialize_float=True),
+        ):
             return self._compiled(*args)
 
     def close(self) -> None:
@@ -304,6 +311,12 @@ class CompiledDecoder:
             for kind, count in report.library.items():
                 merged.library[kind] = merged.library.get(kind, 0) + count
         return merged
+
+    def owns_products(self) -> bool:
+        """Whether the graphs compiled so far went through the fixed-order pass and own every float product (the
+        engine then claims one arithmetic); `False` for other backends and modes (CUDA graphs, a `mode=` of the
+        caller's), whose graphs the pass does not see."""
+        return bool(self._compiled.graph_products) and not self.products().library
 
     def close(self) -> None:
         """Removes the engine's hooks from the model (done when an engine is dropped)."""
@@ -362,34 +375,45 @@ class CompiledDecoder:
         return tree.depth, hf.tree_attention_mask(self._step.model_ref(), cache, cache_length, tree)
 
     def check_arithmetic(
-        self, prompt: torch.Tensor, forward_kwargs: dict[str, Any], max_length: int, width: int, tree: bool = False
+        self,
+        prompt: torch.Tensor,
+        forward_kwargs: dict[str, Any],
+        max_length: int,
+        width: int,
+        tree: bool = False,
+        shrunk: bool = False,
     ) -> ArithmeticVerdict:
         """Probes, on this machine and this model, whether a `width`-token call computes what one-token calls
-        compute; once per engine for each kind of decode (one row or several, chains or trees).
+        compute; once per engine for each kind of decode (one row, several rows, several rows shrunk to one; chains
+        or trees).
 
         On the call's own encoder output, over scratch caches of the decode's capacity: `width` random tokens fed
-        in one call against the same tokens fed one per call (`torch.equal` on logits); with several rows, the first
-        row's logits against that row decoded alone (the batch-1 graph a shrinking decode moves to); with `tree`, a
-        tree of the same tokens (a chain and a side branch) through the tree graph against its paths fed as chains.
-        A difference, where the graphs claim one arithmetic, warns once ([`OneArithmeticWarning`]).
+        in one call against the same tokens fed one per call (`torch.equal` on logits); with `shrunk` (a decode of
+        several rows left with one, which moves to the batch-1 graph), the row's logits against the same row in a
+        two-row call; with `tree`, a tree of the same tokens (a chain and a side branch) through the tree graph
+        against its paths fed as chains. A difference, where the graphs claim one arithmetic, warns once
+        ([`OneArithmeticWarning`]). The probe's calls are not counted in `compiled_calls`.
 
         Args:
             prompt (`torch.LongTensor` of shape `(batch_size, prompt_length)`): the decoder start (and prompt).
-            forward_kwargs (`dict`): the call's encoder outputs and attention mask.
+            forward_kwargs (`dict`): the encoder outputs and attention mask of those rows.
             max_length (`int`): the decode's length limit (the scratch caches get the decode's capacity).
             width (`int`): the widest feed of the decode.
             tree (`bool`): the decode feeds trees.
+            shrunk (`bool`): `prompt` is the one row left of a decode of several.
 
         Returns:
             [`ArithmeticVerdict`].
         """
-        key = (prompt.shape[0] > 1, tree)
+        kind = "several rows, then one" if shrunk else "several rows" if prompt.shape[0] > 1 else "one row"
+        key = (kind, tree)
         if key not in self.verdicts:
-            begin = time.perf_counter()
+            begin, calls = time.perf_counter(), self.compiled_calls
             with torch.no_grad():
-                difference = self._probe(prompt, forward_kwargs, max_length, width, tree)
+                difference = self._probe(prompt, forward_kwargs, max_length, width, tree, shrunk)
+            self.compiled_calls = calls  # the probe's calls are no decode's forwards
             seconds = time.perf_counter() - begin
-            verdict = ArithmeticVerdict(not self.products().library, not difference, difference, seconds)
+            verdict = ArithmeticVerdict(self.owns_products(), not difference, difference, seconds)
             if verdict.claimed and difference and all(old.bitwise for old in self.verdicts.values() if old.claimed):
                 warnings.warn(
                     f"The compiled engine's one-arithmetic probe failed on this machine: {difference}. Verification "
@@ -402,7 +426,13 @@ class CompiledDecoder:
         return self.verdicts[key]
 
     def _probe(
-        self, prompt: torch.Tensor, forward_kwargs: dict[str, Any], max_length: int, width: int, tree: bool
+        self,
+        prompt: torch.Tensor,
+        forward_kwargs: dict[str, Any],
+        max_length: int,
+        width: int,
+        tree: bool,
+        shrunk: bool,
     ) -> str:
         """The probe's comparisons; the first that differs, described, or an empty string."""
         if self.position_limit is not None:
@@ -410,21 +440,22 @@ class CompiledDecoder:
         vocab_size = self._step.model_ref().get_input_embeddings().num_embeddings
         generator = torch.Generator().manual_seed(0)  # the caller's random state is left alone
         tokens = torch.randint(vocab_size, (prompt.shape[0], width), generator=generator).to(prompt.device)
-        probe = functools.partial(self._probe_logits, max_length=max_length)
+        # a tree decode's calls go through the tree graph: the probe's too, each chain fed as a tree of one chain
+        probe = functools.partial(self._probe_logits, max_length=max_length, as_tree=tree)
         together = probe(prompt, forward_kwargs, tokens, one_call=True)  # (b, width, V)
         comparisons = [
             (f"a {width}-token call against one-token calls", together,
              lambda: probe(prompt, forward_kwargs, tokens, one_call=False)),
         ]  # fmt: skip
-        if prompt.shape[0] > 1:  # a decode whose rows finish apart moves to the batch-1 graph
-            alone = hf.select_forward_rows(forward_kwargs, torch.zeros(1, dtype=torch.long, device=prompt.device))
+        if shrunk:  # the row, decoded alone now, against the same row in the several-row graph
+            twice = torch.zeros(2, dtype=torch.long, device=prompt.device)
+            pair = hf.select_forward_rows(forward_kwargs, twice)
             comparisons.append(
-                ("a several-row call's first row against that row alone", together[:1],
-                 lambda: probe(prompt[:1], alone, tokens[:1], one_call=True))
+                ("a row alone against the same row in a two-row call", together,
+                 lambda: probe(prompt[twice], pair, tokens[twice], one_call=True)[:1])
             )  # fmt: skip
-        if tree:  # a chain of width - 1 and a side branch after its first node
-            shape = _probe_tree(prompt.shape[0], width, prompt.device)
-            in_tree = probe(prompt, forward_kwargs, tokens, one_call=True, tree=shape)
+        if tree and width > 2:  # a chain of width - 1 and a side branch after its first node
+            in_tree = probe(prompt, forward_kwargs, tokens, one_call=True, side_branch=True)
             branch = tokens[:, [0, width - 1]]  # the side branch's path, fed as a chain
             comparisons += [
                 ("a tree call's main chain against a chain call", in_tree[:, :-1], lambda: together[:, :-1]),
@@ -445,29 +476,34 @@ class CompiledDecoder:
         tokens: torch.Tensor,
         one_call: bool,
         max_length: int,
-        tree: hf.TreeInputs | None = None,
+        as_tree: bool = False,
+        side_branch: bool = False,
     ) -> torch.Tensor:
-        """Logits of `tokens` (shape `(b, n)`) after `prompt` in a fresh cache: fed in one call (a chain, or the
-        tree `tree`), or one token per call with the cache cropped back after each call's filler (as the loop
-        does)."""
+        """Logits of `tokens` (shape `(b, n)`) after `prompt` in a fresh cache: fed in one call, or one token per
+        call with the cache cropped back after each call's filler (as the loop does); with `as_tree` every call is
+        a tree (a chain's shape, or with `side_branch` a chain of n - 1 and a branch after the first node)."""
         cache = self.new_cache(max_length, tokens.shape[1])
         self.forward(prompt, cache, forward_kwargs, cache_length=0)
-        start = prompt.shape[1]
+        start, batch = prompt.shape[1], tokens.shape[0]
         if one_call:
+            tree = _probe_tree(batch, tokens.shape[1], side_branch, tokens.device) if as_tree else None
             return self.forward(tokens, cache, forward_kwargs, start, tree)[0]
         logits = []
+        one = _probe_tree(batch, 1, False, tokens.device) if as_tree else None
         for column in range(tokens.shape[1]):
-            logits.append(self.forward(tokens[:, column : column + 1], cache, forward_kwargs, start + column)[0])
+            logits.append(self.forward(tokens[:, column : column + 1], cache, forward_kwargs, start + column, one)[0])
             hf.crop_cache(cache, start + column + 1)
         return torch.cat(logits, dim=1)
 
 
-def _probe_tree(batch_size: int, width: int, device: torch.device) -> hf.TreeInputs:
-    """The probe's tree of `width` nodes: a chain of `width - 1`, then a side branch after the first node."""
+def _probe_tree(batch_size: int, width: int, side_branch: bool, device: torch.device) -> hf.TreeInputs:
+    """A probe's tree of `width` nodes: a chain, or with `side_branch` a chain of `width - 1` and a last node
+    after the first."""
     ancestors = torch.ones(width, width, dtype=torch.bool, device=device).tril()  # (width, width)
-    ancestors[-1, 1:-1] = False  # the last node's ancestors: node 0 only
     depth = torch.arange(width, device=device)
-    depth[-1] = min(1, width - 1)
+    if side_branch:
+        ancestors[-1, 1:-1] = False  # the last node's ancestors: node 0 only
+        depth[-1] = 1
     return hf.TreeInputs(depth=depth.repeat(batch_size, 1), ancestors=ancestors.repeat(batch_size, 1, 1))
 
 

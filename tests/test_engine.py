@@ -50,7 +50,8 @@ def _assert_equal_or_near_tie(model, batch, reference: torch.Tensor, candidate: 
 
 # one of each kind of decoder the engine meets: learned positions (BART), relative attention bias (T5), sinusoidal
 # positions counted from the padding (M2M100); the eager loop covers every core architecture
-COMPILED_ARCHITECTURES = ("bart", "t5", "m2m100")
+# M2M100 (positions from padding) is compiled and drafted bitwise in tests/test_one_arithmetic.py
+COMPILED_ARCHITECTURES = ("bart", "t5")
 
 
 @pytest.mark.parametrize("architecture", COMPILED_ARCHITECTURES)

@@ -189,22 +189,6 @@ def test_int8_products_compile_to_the_same_numbers(freezing: bool) -> None:
             assert torch.equal(compiled(inputs), layer(inputs))
 
 
-def test_int8_compiled_engine_is_exact_to_its_own_greedy() -> None:
-    """`greedy_int8_compiled` and the int8 drafting modes through the compiled engine: drafts right and partly wrong
-    give the engine's int8 greedy token for token, which is eager int8 greedy up to near-ties (batch 4 here; batch 1
-    and 3 on three other architectures: tests/test_one_arithmetic.py)."""
-    base = quantize_dynamic_int8(build_model("marian", seed=3))
-    for batch_size, seed in ((4, 1),):
-        batch = random_batch(base, batch_size, seed=seed)
-        eager = base.generate(**batch, max_new_tokens=16, do_sample=False)
-        kwargs = {"custom_generate": blockwise_generate, "max_new_tokens": 16, "blockwise_compile": True}
-        greedy = base.generate(**batch, **kwargs)
-        assert_same_or_near_tie(base, batch, eager, greedy)
-        for corruption in (0.0, 0.3):
-            drafter = OracleDrafter(greedy, block_size=4, corruption=corruption, seed=seed)
-            assert torch.equal(base.generate(**batch, assistant=drafter, **kwargs), greedy)
-
-
 def test_the_int8_copy_quantizes_the_feature_drafter_on_the_quantized_base() -> None:
     base = build_model("marian", seed=5)
     feature = FeatureDrafterModel(base, FeatureDrafterConfig(block_size=3)).eval()

@@ -10,8 +10,9 @@ Every step is `boundary.beam_search_step`, transformers' own beam search step, f
 (`log_softmax` of the logits, then the logits processors over the live beams), so the output is beam search's
 output by construction, as far as the logits are: the compiled engine computes one arithmetic at every width;
 eager verification computes a multi-token feed with other vectorized sums than a one-token one, which can flip a
-near-tie (as for greedy); a tree's side branches attend to their ancestors in other slots than a chain's, exact up to
-near-ties too (`generation/tree.py`). Without drafts, every forward takes one step: beam search itself, in this loop.
+near-tie (as for greedy), and so can a tree's side branches, which attend to their ancestors in other slots than a
+chain's (through the engine they get their chain's bits: `fixed_order.py`). Without drafts, every forward takes one
+step: beam search itself, in this loop.
 
 Why trees: a chain holds one child per beam, but beam search often keeps two children of one beam (its best and its
 runner-up), and then the replay stops. `scripts/beam_ceiling.py` measures it: with perfect chains a call replays ~1.3

@@ -121,13 +121,25 @@ def with_engine(
     return call, engine
 
 
-def probe_engine(engine: CompiledDecoder | None, call: hf.GenerateCall, feed_limit: int, tree: bool) -> None:
-    """Runs the engine's one-arithmetic probe ([`CompiledDecoder.check_arithmetic`]) before a decode that feeds
-    several tokens per row (once per engine and kind of decode; it warns where the contract fails here). Greedy
-    decodes feed one token per call, the contract's reference: nothing to check."""
-    if engine is not None and feed_limit > 1:
-        max_length = call.stop_rules.max_length
+def probe_engine(
+    engine: CompiledDecoder | None,
+    call: hf.GenerateCall,
+    feed_limit: int,
+    tree: bool,
+    state: DecodingState | None = None,
+) -> None:
+    """Runs the engine's one-arithmetic probe ([`CompiledDecoder.check_arithmetic`]) for a decode that feeds
+    several tokens per row: before it starts, and (given its `state`) when a decode of several rows is left with one,
+    which moves it to the batch-1 graph. Once per engine and kind of decode; it warns where the contract fails here.
+    Greedy decodes feed one token per call, the contract's reference: nothing to check."""
+    if engine is None or feed_limit <= 1:
+        return
+    max_length = call.stop_rules.max_length
+    if state is None:
         engine.check_arithmetic(call.decoder_input_ids, call.forward_kwargs, max_length, feed_limit, tree)
+    elif state.num_rows == 1 and call.decoder_input_ids.shape[0] > 1:
+        prompt = call.decoder_input_ids[state.rows]
+        engine.check_arithmetic(prompt, state.forward_kwargs, max_length, feed_limit, tree, shrunk=True)
 
 
 def decoding_setup(
@@ -247,6 +259,7 @@ def blockwise_generate(
     state = initial_state(call, setup)
     while state.num_rows > 0:
         state = decode_step(state, setup)
+        probe_engine(engine, call, feed_limit, drafter.tree_nodes is not None, state)
     if call.streamer is not None:
         call.streamer.end()
     compiled_forwards = 0 if engine is None else engine.compiled_calls - compiled_before

@@ -14,12 +14,11 @@ compacted to it, the decoder states are gathered along it, and the step goes on 
 (`generation/step.py`).
 
 Exactness. A node off the main chain attends to ancestors that sit in other slots than a chain's would (with gaps
-between them), and attention may group its sums differently: its logits can differ from a chain's in the last bits,
-so a near-tie may decide differently. Measured: bitwise in the tests' BART of width 512 (`tests/test_trees.py`), not
-always on marian-base-en-de, where int8 trees left the int8 engine's greedy on 7 of 100 Europarl sentences, at
-top-2 gaps of 0.0006 and 0.006 (`docs/results.md`). The main chain is laid out where a chain would be, and every
-parent before its children (attention sums in slot order), so a step that accepts the main chain computes what a
-chain step computes.
+between them). Through the compiled engine this changes no bit: its attention sums over the keys in slot order
+(`fixed_order.fixed_order_attention`), so the masked slots between add zeros, and every node gets the logits of its
+path fed as a chain (`tests/test_trees.py`; the engine's probe checks a side branch on the machine). Eagerly,
+transformers' attention may group its sums otherwise, and a near-tie may decide differently there. The main chain is
+laid out where a chain would be, and every parent before its children.
 """
 
 from __future__ import annotations
