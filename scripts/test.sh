@@ -8,4 +8,4 @@ python3 -m pip install -q -e ".[dev,ctranslate2]"
 python3 -m ruff check .
 python3 -m ruff format --check .
 lint-imports  # the import graph has no cycles ([tool.importlinter] in pyproject.toml)
-python3 -m pytest -q -p no:cacheprovider -n 2  # two workers: conftest gives each one torch thread
+python3 -m pytest -q -p no:cacheprovider -n 2 --dist worksteal  # two workers (one torch thread each, conftest); an idle one takes queued tests
