@@ -298,8 +298,9 @@ class CompiledDecoder:
         self.weights = self._compiled.weights  # the model's weights as the graph freezes them
         self.freezing = self._compiled.freezing
         self.compiled_calls = 0
-        # probe results by (several rows, tree feed): what this machine computes does not change between calls
-        self.verdicts: dict[tuple[bool, bool], ArithmeticVerdict] = {}
+        # probe results by (kind of decode: "one row", "several rows" or "several rows, then one"; tree feed): what
+        # this machine computes does not change between calls
+        self.verdicts: dict[tuple[str, bool], ArithmeticVerdict] = {}
 
     def products(self) -> GraphProducts:
         """The float products of the graphs compiled so far, by kind: those computed in an order the graphs own, and
