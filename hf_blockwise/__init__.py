@@ -53,7 +53,7 @@ _SOURCES = {
     "first_divergence": "hf_blockwise.generation.diagnostics",
     "frequent_tokens": "hf_blockwise.modeling.shortlist",
     "generate_corpus": "hf_blockwise.corpus",
-    "quantize_dynamic_int8": "hf_blockwise.modeling.quantization",
+    "quantize_dynamic_int8": "hf_blockwise.quantization",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
@@ -84,8 +84,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from hf_blockwise.modeling.heads import BlockwiseHeads, SequentialHeads
     from hf_blockwise.modeling.model import BlockwiseHeadsModel, BlockwiseHeadsOutput
     from hf_blockwise.modeling.nar_model import NARDrafterConfig, NARDrafterModel
-    from hf_blockwise.modeling.quantization import quantize_dynamic_int8
     from hf_blockwise.modeling.shortlist import frequent_tokens
+    from hf_blockwise.quantization import quantize_dynamic_int8
 
 
 # names before 0.2, kept for one release (their modules warn when they are used)

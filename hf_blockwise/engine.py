@@ -75,6 +75,8 @@ from torch import nn
 
 from hf_blockwise import boundary as hf
 from hf_blockwise.fixed_order import GraphProducts, fixed_order_backend
+from hf_blockwise.quantization import refresh_int8
+from hf_blockwise.snapshot import TensorSnapshot
 
 # static cache buffers are rounded up to this many positions, so that calls of similar lengths share their shape
 _CACHE_ROUNDING = 64
@@ -157,58 +159,28 @@ def check_compile_available(device: torch.device, options: CompileOptions) -> No
         raise CompileUnavailableError("inductor needs a C++ compiler on CPU (g++, c++ or clang++), and none is on PATH")
 
 
-# one value in this many of every weight is compared with its value at compile time (a prime: it falls on every
-# column of a row-major matrix in turn), so that writes through `.data`, which leave version counters alone, are seen
-_SAMPLE_STEP = 1021
-
-
-class WeightsSnapshot:
-    """What a compiled graph's frozen weights were, to tell when the model's own have changed since.
-
-    Two parts: each parameter's and buffer's storage address and version counter (a replaced tensor, an in-place
-    change that autograd sees: an optimizer step, `load_state_dict`, `p.mul_()` under `no_grad`), and the values of
-    a fixed sample of every tensor, one in `_SAMPLE_STEP` elements, compared bit for bit: writes through
-    `p.data` (weight averaging, EMA, pruning), which move no version counter, change sampled values unless they
-    touch fewer than about one value in a thousand of every tensor they change (for such an edit, call
-    [`drop_compiled`]). The sample is read through views of the weights themselves, ~25,000 values for a 43M
-    model (`scripts/stale_weights_check.py` times it).
+class WeightsSnapshot(TensorSnapshot):
+    """What a compiled graph's frozen weights were, to tell when the model's own have changed since: a
+    [`TensorSnapshot`] of every parameter and buffer (int8 layers' copies included, which
+    [`hf_blockwise.quantization.refresh_int8`] rewrites in place when their float weights change). A write through
+    `p.data` that touches fewer than about one value in a thousand of every tensor it changes goes unseen: for such
+    an edit, call [`drop_compiled`]. ~25,000 values are compared for a 43M model
+    (`scripts/stale_weights_check.py` times it).
 
     Args:
         model (`nn.Module`): the model whose weights a compiled graph holds.
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.identity = self._identity(model)
-        self.samples = self._sample_views(model)  # dtype -> views into the weights
-        self.reference = {dtype: torch.cat(views) for dtype, views in self.samples.items()}  # copies
+        super().__init__(self._tensors(model))
 
     @staticmethod
     def _tensors(model: nn.Module) -> list[torch.Tensor]:
         return [*model.parameters(), *model.buffers()]
 
-    @classmethod
-    def _identity(cls, model: nn.Module) -> tuple[tuple[int, int], ...]:
-        return tuple(
-            (tensor.data_ptr(), 0 if tensor.is_inference() else tensor._version) for tensor in cls._tensors(model)
-        )
-
-    @classmethod
-    def _sample_views(cls, model: nn.Module) -> dict[torch.dtype, list[torch.Tensor]]:
-        views: dict[torch.dtype, list[torch.Tensor]] = {}
-        for tensor in cls._tensors(model):
-            if tensor.numel() == 0 or tensor.is_meta:
-                continue
-            count = -(-tensor.numel() // _SAMPLE_STEP)
-            # (count,): elements 0, step, 2 step, ... of the tensor's span of its storage; a view, not a copy
-            view = tensor.detach().as_strided((count,), (_SAMPLE_STEP,), tensor.storage_offset())
-            views.setdefault(tensor.dtype, []).append(view)
-        return views
-
-    def matches(self, model: nn.Module) -> bool:
+    def matches(self, model: nn.Module) -> bool:  # type: ignore[override]
         """Whether `model`'s weights are still those of the snapshot (same tensors, versions and sampled values)."""
-        if self._identity(model) != self.identity:
-            return False
-        return all(torch.equal(torch.cat(views), self.reference[dtype]) for dtype, views in self.samples.items())
+        return super().matches(self._tensors(model))
 
 
 def own_code(function: Callable) -> types.FunctionType:
@@ -601,6 +573,7 @@ def compiled_block(
 def _kept(owner: nn.Module, key: str, options: CompileOptions, build: Callable[[], Any]) -> Any:
     """The compiled object kept for `owner` under `key`, (re)built by `build` when missing, compiled with other
     options or holding stale weights."""
+    refresh_int8(owner)  # int8 copies made again from changed float weights first: the snapshot then sees them change
     entries = _COMPILED.setdefault(owner, {})
     engine = entries.get(key)
     if engine is not None and engine.options == options:

@@ -28,7 +28,7 @@ from hf_blockwise.modeling.config import CONFIG_NAME, FEATURE_DRAFTER_CONFIG_NAM
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
 from hf_blockwise.modeling.model import BlockwiseHeadsModel
 from hf_blockwise.modeling.nar_model import NAR_CONFIG_NAME, NARDrafterModel
-from hf_blockwise.modeling.quantization import quantize_dynamic_int8, quantize_linears_int8
+from hf_blockwise.quantization import quantize_dynamic_int8, quantize_linears_int8
 
 # where a model directory keeps its other drafters, if it ships them
 NAR_DRAFTER_SUBDIR = "nar-drafter"

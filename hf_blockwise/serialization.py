@@ -215,4 +215,7 @@ class JsonConfigMixin:
             raise ValueError(f"{path} is not valid JSON ({error}); the checkpoint is corrupt") from error
         if not isinstance(data, dict):
             raise ValueError(f"{path} must hold a JSON object, found {type(data).__name__}")
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except ValueError as error:  # a field of the wrong type or range: which file holds it
+            raise ValueError(f"{path}: {error}") from error

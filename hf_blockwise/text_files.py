@@ -14,8 +14,35 @@ def open_text(path: str | os.PathLike) -> TextIO:
     return open(path, encoding="utf-8")
 
 
+def read_text(path: str | os.PathLike) -> str:
+    """The whole of a UTF-8 text file, plain or gzip.
+
+    Raises:
+        `ValueError` for bytes that are not UTF-8, naming the file, the line and the byte, and saying whether the
+        file looks binary or written in another encoding (with the `iconv` command that converts it).
+    """
+    opener = gzip.open if os.fspath(path).endswith(".gz") else open
+    with opener(path, "rb") as handle:
+        data = handle.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(_not_utf8(os.fspath(path), data, error)) from None
+
+
+def _not_utf8(path: str, data: bytes, error: UnicodeDecodeError) -> str:
+    line = data.count(b"\n", 0, error.start) + 1
+    column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+    where = f"{path}, line {line}, byte {column}: 0x{data[error.start]:02x} is not UTF-8"
+    if b"\x00" in data[:8192]:
+        return f"{where}, and the file holds NUL bytes: it looks binary, not a text file of one source per line"
+    return (
+        f"{where}. Text files are read as UTF-8; this one looks written in another encoding (Latin-1 or "
+        f"Windows-1252, say). Convert it first, e.g. iconv -f WINDOWS-1252 -t UTF-8 {path} > {path}.utf8"
+    )
+
+
 def read_lines(path: str | os.PathLike) -> list[str]:
     """Every line of a text file (plain or gzip), its runs of whitespace collapsed and its ends stripped; empty
     lines are kept, so that the lines of the two files of a parallel set stay aligned."""
-    with open_text(path) as handle:
-        return [" ".join(line.split()) for line in handle.read().splitlines()]
+    return [" ".join(line.split()) for line in read_text(path).splitlines()]

@@ -3,7 +3,7 @@
 For each shape of `marian-base-en-de`'s decoder (output projection 512→16000, FFN 512→2048 and 2048→512,
 attention 512→512) and 1, 2, 4, 8, 16 rows: ms per call of float32 `nn.Linear`, fbgemm's dynamic int8 (one scale
 per tensor: not batch-invariant), fbgemm fed one scale per row, oneDNN's `qlinear_pointwise` fed one scale per row
-(the kernel `hf_blockwise.modeling.quantization` used before), and `torch._int_mm` (the one it uses); then whether
+(the kernel `hf_blockwise.quantization` used before), and `torch._int_mm` (the one it uses); then whether
 16 rows scored together give exactly what each row gives alone (`inv`), and the largest difference from float32.
 
     python scripts/int8_kernels.py --threads 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 
 import pytest
@@ -228,6 +229,19 @@ def test_block_size_past_the_limits_is_refused_early(marian) -> None:
     assert BlockwiseHeadsModel(short, BlockwiseHeadsConfig(block_size=8)).blockwise_config.block_size == 8
 
 
+def test_a_config_file_field_of_the_wrong_type_names_the_file_and_the_field(tmp_path) -> None:
+    for config_class, field, value, expected in (
+        (FeatureDrafterConfig, "draft_threshold", "high", "draft_threshold must be a number in"),
+        (FeatureDrafterConfig, "draft_threshold", True, "draft_threshold must be a number in"),
+        (BlockwiseHeadsConfig, "block_size", "4", "block_size must be an int"),
+        (BlockwiseHeadsConfig, "sequential", "yes", "sequential must be a bool"),
+    ):
+        path = tmp_path / config_class.file_name
+        path.write_text(json.dumps({field: value}))
+        with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: {expected}.*got {re.escape(repr(value))}"):
+            config_class.from_json_file(path)
+
+
 # --- 7. a drafter made for a base of another shape ---------------------------------------------------------------
 
 
@@ -315,7 +329,7 @@ def test_whisper_features_with_the_wrong_mel_bins_name_the_expected_number() -> 
     assert torch.equal(model.generate(input_features=features, max_new_tokens=4), greedy)
 
 
-def test_a_name_neither_local_nor_on_the_hub_is_a_clear_error(tmp_path) -> None:
+def test_a_name_neither_local_nor_on_the_hub_is_a_clear_error(tmp_path, monkeypatch) -> None:
     """A hub id typo (or any model offline and not cached): transformers' `OSError` about connecting becomes a
     `ValueError` naming the model and the likely causes, which the CLI prints as its message."""
 
@@ -326,6 +340,10 @@ def test_a_name_neither_local_nor_on_the_hub_is_a_clear_error(tmp_path) -> None:
         from_hub(unreachable, "org/opus-mt-en-dee", "--model / model")
     with pytest.raises(OSError, match="couldn't connect"):  # a folder that exists keeps transformers' own error
         from_hub(unreachable, tmp_path, "--model / model")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the adapters' own files, through the Python API, offline
+    for model_class in (BlockwiseHeadsModel, FeatureDrafterModel):
+        with pytest.raises(ValueError, match=r"'org/heads-typo' is no local folder.*typo"):
+            model_class.from_pretrained("org/heads-typo")
 
 
 @pytest.mark.parametrize("shape", [(0, 5), (1, 0), (1, 600)], ids=["no rows", "no tokens", "past the positions"])

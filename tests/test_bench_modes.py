@@ -12,7 +12,7 @@ from hf_blockwise import InputCopyDrafter
 from hf_blockwise.corpus import DRAFTERS as CORPUS_DRAFTERS
 from hf_blockwise.loading import DRAFTER_NAMES, DRAFTERS, LoadedModel, build_drafter, missing_drafter
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
-from hf_blockwise.modeling.quantization import Int8Linear
+from hf_blockwise.quantization import Int8Linear
 from hf_blockwise.tools.bench import DEFAULT_MODES, MODE_NAMES, BenchSetup, Mode, available_modes, run_bench
 from hf_blockwise.tools.bench.runners import acceptance_rule, drafter_options
 from hf_blockwise.tools.cli import build_parser, main
@@ -160,6 +160,24 @@ def test_beam_modes_parse_their_beams_and_compare_with_transformers_beam_search(
 def test_unknown_modes_are_refused(name: str) -> None:
     with pytest.raises(ValueError, match=f"Unknown mode {name!r}"):
         Mode.parse(name)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("feature_k0", "block_size must be an int from 2 to 64.*got 0"),
+        ("oracle_k1", "block_size must be an int from 2 to 64.*got 1"),
+        ("feature_k4_n0", "tree_nodes must be a positive int"),
+        ("heads_k4_n1000", "tree_nodes=1000 is more than the 10 candidates of 3 depths"),
+        ("feature_k4_t1.5", r"the threshold \(_t\) must be a number in \[0, 1\)"),
+    ],
+)
+def test_sizes_no_drafter_takes_are_refused_by_name_before_anything_loads(name: str, message: str, capsys) -> None:
+    with pytest.raises(ValueError, match=f"mode {name!r}: {message}"):
+        Mode.parse(name)
+    with pytest.raises(SystemExit) as exit:  # a usage error of the command line, before the model loads
+        main(["bench", "--model", "no-such-model-dir", "--modes", "greedy", name])
+    assert exit.value.code == 2 and f"mode {name!r}" in capsys.readouterr().err
 
 
 def test_the_drafter_factory_names_what_a_model_lacks() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 from pathlib import Path
 
@@ -275,6 +276,28 @@ def test_cli_usage_errors_name_the_argument_and_the_fix(tmp_path, model_dir, cap
     for command in (["demo", "--model", str(no_tokenizer)], ["bench", "--model", str(no_tokenizer)]):
         status, _, err = run_cli(capsys, *command)
         assert status == 1 and "holds no tokenizer" in err
+
+
+def test_text_that_is_not_utf8_is_named_by_file_line_and_byte(tmp_path, model_dir, capsys) -> None:
+    """Latin-1 text and binary files as `--input` (text and JSONL) and as the bench's `--source-file`: the file, the
+    line and the byte, and what to do, not a traceback."""
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("w5 w6\nw7 caf\u00e9\n".encode("latin-1"))
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"w5\n\x00\x9f\x92\x00\n")
+    records = tmp_path / "in.jsonl"
+    records.write_bytes(b'{"text": "w5"}\n{"text": "w6 \xe9"}\n')
+    for source, expected in (
+        (latin1, f"{latin1}, line 2, byte 7: 0xe9 is not UTF-8. .* iconv -f WINDOWS-1252 -t UTF-8 {latin1}"),
+        (binary, f"{binary}, line 2, byte 2: 0x9f is not UTF-8, and the file holds NUL bytes: it looks binary"),
+        (records, f"{records}, line 2, byte 14: 0xe9 is not UTF-8"),
+    ):
+        column = ("--column", "text") if source.suffix == ".jsonl" else ()
+        status, _, err = run_cli(capsys, *generate_arguments(model_dir, source, tmp_path / "o.txt"), *column)
+        assert status == 1 and re.search(expected, err), err
+    status, _, err = run_cli(capsys, "bench", "--model", str(model_dir), "--source-file", str(latin1),
+                             "--modes", "greedy", "--out", str(tmp_path / "bench"))  # fmt: skip
+    assert status == 1 and f"{latin1}, line 2, byte 7: 0xe9 is not UTF-8" in err and "Traceback" not in err
 
 
 def test_a_read_only_output_directory_is_a_usage_error(tmp_path, model_dir, capsys) -> None:

@@ -24,10 +24,10 @@ from hf_blockwise import (
     quantize_dynamic_int8,
 )
 from hf_blockwise.drafters.base import DraftRequest
-from hf_blockwise.engine import own_code
+from hf_blockwise.engine import CompileOptions, own_code
 from hf_blockwise.loading import LoadedModel
 from hf_blockwise.modeling.config import FeatureDrafterConfig
-from hf_blockwise.modeling.quantization import Int8Linear, Int8StateDictWarning, float_state_dict
+from hf_blockwise.quantization import Int8Linear, Int8StateDictWarning, float_state_dict
 from hf_blockwise.tools.cli import main
 
 
@@ -81,10 +81,95 @@ def test_int8_rows_are_batch_invariant() -> None:
     assert torch.allclose(together, layer(inputs), rtol=0.05, atol=0.05 * float(layer(inputs).abs().max()))
 
 
-def test_int8_needs_a_cpu_model() -> None:
-    base = build_model("marian").to("meta")
-    with pytest.raises(ValueError, match="targets CPU decoding"):
-        quantize_dynamic_int8(base)
+def test_int8_refuses_what_it_cannot_quantize_and_training() -> None:
+    with pytest.raises(ValueError, match="meta device"):
+        quantize_dynamic_int8(build_model("marian").to("meta"))
+    with pytest.raises(TypeError, match=r"Int8Linear\(layer\)"):
+        quantize_dynamic_int8(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"no nn\.Linear"):
+        quantize_dynamic_int8(torch.nn.Sequential(torch.nn.ReLU()))
+    base = quantize_dynamic_int8(build_model("marian"))
+    batch = random_batch(base, 2, seed=0)
+    loss = base(**batch, labels=batch["input_ids"]).loss
+    with pytest.raises(RuntimeError, match=r"int8 models are for inference\. Train the float model"):
+        loss.backward()
+
+
+def _mul_in_place(model) -> None:
+    with torch.no_grad():
+        model.get_decoder().layers[0].fc1.weight.mul_(-3.0)
+
+
+def _write_through_data(model) -> None:
+    model.get_decoder().layers[0].self_attn.v_proj.weight.data.mul_(-4.0)  # no version counter moves
+
+
+def _assign_data(model) -> None:
+    layer = model.get_decoder().layers[-1].fc2
+    layer.weight.data = layer.weight.data.flip(0).contiguous()
+    layer.bias.data = torch.randn_like(layer.bias)
+
+
+def _copy_every_weight(model) -> None:
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn_like(parameter) * 0.2)
+
+
+def _load_state_dict(model) -> None:
+    model.load_state_dict({name: value * -1.0 for name, value in float_state_dict(model).items()})
+
+
+def _optimizer_step(model) -> None:
+    for parameter in model.parameters():
+        parameter.grad = torch.randn_like(parameter)
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+
+
+INT8_WEIGHT_CHANGES = [_mul_in_place, _write_through_data, _assign_data, _copy_every_weight, _load_state_dict,
+                       _optimizer_step]  # fmt: skip
+
+
+def test_int8_copies_follow_every_change_of_their_float_weights() -> None:
+    """After each way of changing the float weights, the int8 model computes what a model quantized afresh from the
+    new weights computes, bit for bit (the encoder's hook makes the stale layers again), and not what it did."""
+    float_model = build_model("marian", seed=5)
+    batch = random_batch(float_model, 2, seed=4)
+    decoder_input_ids = torch.randint(3, 40, (2, 6), generator=torch.Generator().manual_seed(0))
+
+    def logits(model) -> torch.Tensor:
+        with torch.no_grad():
+            return model(**batch, decoder_input_ids=decoder_input_ids).logits
+
+    for change in INT8_WEIGHT_CHANGES:
+        changed = copy.deepcopy(float_model)
+        int8 = quantize_dynamic_int8(copy.deepcopy(float_model))
+        before = logits(int8)
+        torch.manual_seed(0)
+        change(changed)
+        torch.manual_seed(0)
+        change(int8)
+        fresh = logits(quantize_dynamic_int8(changed))
+        after = logits(int8)
+        assert torch.equal(after, fresh), change.__name__
+        assert not torch.equal(after, before), change.__name__
+
+
+def test_the_int8_engine_decodes_the_new_int8_weights_after_load_state_dict() -> None:
+    """The compiled engine (through dynamo, for time) sees the int8 copies made again: it warns, compiles again and
+    decodes a fresh quantization's greedy output."""
+    float_model = build_model("marian", seed=6)
+    int8 = quantize_dynamic_int8(copy.deepcopy(float_model))
+    batch = random_batch(float_model, 2, seed=5)
+    options = CompileOptions(backend="eager")
+    kwargs = {"max_new_tokens": 12, "custom_generate": blockwise_generate, "blockwise_compile": options}
+    before = int8.generate(**batch, **kwargs)
+    _load_state_dict(float_model)
+    int8.load_state_dict(float_state_dict(float_model))
+    with pytest.warns(UserWarning, match="changed since it was compiled"):
+        after = int8.generate(**batch, **kwargs)
+    expected = quantize_dynamic_int8(float_model).generate(**batch, max_new_tokens=12, do_sample=False, num_beams=1)
+    assert torch.equal(after, expected) and not torch.equal(after, before)
 
 
 def test_saving_an_int8_model_says_it_writes_the_float_weights_and_requantizing_restores_it(tmp_path) -> None:
@@ -101,6 +186,11 @@ def test_saving_an_int8_model_says_it_writes_the_float_weights_and_requantizing_
     with warnings.catch_warnings():
         warnings.simplefilter("error", Int8StateDictWarning)
         float_state_dict(base)  # the package's own reads of the float weights stay quiet
+    heads = heads_with_shortlist(base, seed=1)  # heads saved from an int8 base say the base is not saved with them
+    with pytest.warns(Int8StateDictWarning, match="wrote the proposal heads only; they were used on an int8 base"):
+        heads.save_pretrained(tmp_path / "heads", base_model_name_or_path=str(tmp_path))
+    reattached = BlockwiseHeadsModel.from_pretrained(tmp_path / "heads")
+    assert not any(isinstance(module, Int8Linear) for module in reattached.modules())
 
 
 def test_drafting_without_the_shortlist_uses_the_whole_vocabulary(tiny_models) -> None:

@@ -208,7 +208,10 @@ def test_streamer_receives_every_token_then_end(tiny_models, through: str) -> No
     [
         ({"do_sample": True}, "reproduces greedy search.*'sample'"),
         ({"num_beams": 3, "do_sample": True}, "reproduces greedy search and beam search.*'beam_sample'"),
-        ({"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 0.5}, "'group_beam_search'"),
+        (
+            {"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 0.5},
+            "num_beam_groups=2 selects 'group_beam_search'. Use num_beam_groups=1",
+        ),
         ({"penalty_alpha": 0.6, "top_k": 4}, "contrastive_search"),
         ({"output_scores": True}, "output_scores=True is not supported"),
         ({"use_cache": False}, "needs the KV cache"),
@@ -294,6 +297,9 @@ def test_bad_calls_are_refused(tiny_models) -> None:
         model.generate(**batch, acceptance="top-k")
     with pytest.raises(ValueError, match="batch size 1 only"):
         model.generate(**batch, streamer=RecordingStreamer())
+    one_row = {name: value[:1] for name, value in batch.items()}
+    with pytest.raises(ValueError, match=r"streamer= cannot be used with beam search \(num_beams=4\)"):
+        model.generate(**one_row, streamer=RecordingStreamer(), num_beams=4)
     decoder_only = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64))
     with pytest.raises(ValueError, match="encoder-decoder"):
         BlockwiseHeadsModel(decoder_only)
@@ -471,12 +477,14 @@ def test_resaved_heads_name_a_base_that_resolves_and_another_base_is_a_warning(t
 def test_the_heads_names_before_0_2_still_work_and_warn() -> None:
     """`BlockwiseConfig`, `BlockwiseTrainer`, `BlockwiseTrainingArguments` and their modules are now named for
     heads; the old names stay for one release, with a `FutureWarning` that names the new one."""
-    with pytest.warns(FutureWarning, match="BlockwiseHeadsConfig"):
+    with pytest.warns(FutureWarning, match="BlockwiseHeadsConfig") as caught:
         assert hf_blockwise.BlockwiseConfig is BlockwiseHeadsConfig
+    assert {record.filename for record in caught} == {__file__}  # the caller's line, not the package's
     for old_module, old_name, new in (
         ("blockwise_trainer", "BlockwiseTrainer", BlockwiseHeadsTrainer),
         ("blockwise_config", "BlockwiseTrainingArguments", BlockwiseHeadsTrainingArguments),
     ):
-        with pytest.warns(FutureWarning, match=new.__name__):
+        with pytest.warns(FutureWarning, match=new.__name__) as caught:
             module = importlib.import_module(f"hf_blockwise.training.{old_module}")
             assert getattr(module, old_name) is new
+        assert {record.filename for record in caught} == {__file__}

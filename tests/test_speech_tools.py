@@ -109,6 +109,10 @@ def test_asr_demo_prints_identical_transcripts(tiny_whisper_dir, capsys) -> None
     output = capsys.readouterr().out
     assert status == 0, output
     assert "identical outputs: 4/4" in output and "clip2.wav (a b c 2)" in output
+    status = main(["demo", "--task", "asr", "--model", str(tiny_whisper_dir), "--repeats", "1", "--no-compile",
+                   "--max-new-tokens", "12", "--num-beams", "2"])  # fmt: skip
+    output = capsys.readouterr().out
+    assert status == 0 and "beam 2:" in output and "identical outputs: 4/4" in output, output
     with pytest.raises(SystemExit):
         main(["demo", "--task", "asr", "--int8"])
     with pytest.raises(SystemExit):  # no model at that path: a usage error naming it, not a traceback

@@ -15,7 +15,13 @@ from test_every_architecture import EXTRA
 from test_exactness import assert_same_as_greedy, heads_model
 from test_feature_drafter import fitted_feature_drafter
 
-from hf_blockwise import CompositeDrafter, InputCopyDrafter, blockwise_generate, quantize_dynamic_int8
+from hf_blockwise import (
+    CompositeDrafter,
+    InputCopyDrafter,
+    MinimumBlockAcceptance,
+    blockwise_generate,
+    quantize_dynamic_int8,
+)
 from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts
 from hf_blockwise.drafters.feature import FeatureDrafter
 from hf_blockwise.drafters.trees import ranked_tree, select_tree
@@ -117,6 +123,38 @@ def test_a_tree_accepts_a_right_branch_beside_a_wrong_chain() -> None:
     assert torch.equal(output.sequences, greedy)
     gained = output.decoding_stats.accepted[:-1]  # the last step may be cut by max_new_tokens
     assert bool((gained[gained > 0] == 2).all()), gained.T
+
+
+@pytest.mark.parametrize("min_block", [2, 3])
+def test_minimum_block_counts_places_in_the_block_on_trees_as_on_chains(min_block: int) -> None:
+    """Every draft is a token the base never picks (suppressed): a step gains the `min_block - 1` forced drafts and
+    the base's own token, `min_block` tokens, whether the drafts form a chain or a tree (forced by depth, not by
+    column)."""
+    base = build_model("marian")
+    batch = random_batch(base, 2, seed=5)
+    never = 5
+    kwargs = {"max_new_tokens": 15, "suppress_tokens": [never, base.config.eos_token_id], "forced_eos_token_id": None}
+
+    class NeverRight(Drafter):
+        def __init__(self, tree_nodes: int | None) -> None:
+            self.block_size, self.tree_nodes = 4, tree_nodes
+
+        def get_candidates(self, request: DraftRequest) -> Drafts:
+            tokens = torch.full((request.lengths.shape[0], 3), never)  # (b, 3)
+            if self.tree_nodes is None:
+                return Drafts(tokens=tokens, lengths=torch.full_like(request.lengths, 3))
+            ranked = torch.stack([tokens, tokens], dim=-1)  # (b, 3, 2): two candidates per depth, both wrong
+            return ranked_tree(ranked, torch.tensor([0.6, 0.4]).expand(*ranked.shape).clone(), self.tree_nodes)
+
+    for tree_nodes in (None, 6):
+        output = base.generate(
+            **batch, custom_generate=blockwise_generate, assistant=NeverRight(tree_nodes),
+            acceptance=MinimumBlockAcceptance(min_block=min_block), return_dict_in_generate=True, **kwargs,
+        )  # fmt: skip
+        gained = output.decoding_stats.accepted[:-1]  # the last step may be cut by max_new_tokens
+        assert bool((gained[gained > 0] == min_block).all()), (tree_nodes, gained.T)
+        forced = output.sequences[:, 1:][:, : 15 - 15 % min_block].reshape(2, -1, min_block)
+        assert bool((forced[..., :-1] == never).all()), (tree_nodes, output.sequences)  # the forced drafts kept
 
 
 def test_compiled_tree_drafts_give_the_engines_greedy() -> None:

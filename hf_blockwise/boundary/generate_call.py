@@ -55,12 +55,10 @@ def validate_generation_config(generation_config: GenerationConfig) -> None:
     """
     mode = generation_config.get_generation_mode()
     if mode != GenerationMode.GREEDY_SEARCH:
+        given, neutral = _selecting_arguments(generation_config, mode)
         raise ValueError(
-            f"Blockwise decoding reproduces greedy search and beam search, but these generate arguments select "
-            f"{mode.value!r} (do_sample={generation_config.do_sample}, num_beams={generation_config.num_beams}, "
-            f"penalty_alpha={generation_config.penalty_alpha}, "
-            f"prompt_lookup_num_tokens={generation_config.prompt_lookup_num_tokens}). Use do_sample=False, or call "
-            "the base model's generate without hf_blockwise."
+            f"Blockwise decoding reproduces greedy search and beam search, but {given} selects {mode.value!r}. Use "
+            f"{neutral}, or call the base model's generate without hf_blockwise."
         )
     validate_segment_options(generation_config)
     if getattr(generation_config, "dola_layers", None) is not None:
@@ -72,6 +70,27 @@ def validate_generation_config(generation_config: GenerationConfig) -> None:
                 f"{flag}=True is not supported by blockwise decoding: {what} are not produced one token at a "
                 "time. Generate without it, or use the base model's greedy generate."
             )
+
+
+def _selecting_arguments(config: GenerationConfig, mode: GenerationMode) -> tuple[str, str]:
+    """The generate arguments that select `mode` (in transformers' precedence, `get_generation_mode`), and the
+    values that select greedy or beam search instead: `("num_beam_groups=2", "num_beam_groups=1")`."""
+    if mode == GenerationMode.CONSTRAINED_BEAM_SEARCH:
+        return "constraints / force_words_ids", "neither"
+    if mode == GenerationMode.GROUP_BEAM_SEARCH:
+        return f"num_beam_groups={config.num_beam_groups}", "num_beam_groups=1"
+    if mode in (GenerationMode.SAMPLE, GenerationMode.BEAM_SAMPLE):
+        return "do_sample=True", "do_sample=False"
+    if mode == GenerationMode.CONTRASTIVE_SEARCH:
+        return f"penalty_alpha={config.penalty_alpha} with top_k={config.top_k}", "penalty_alpha=None"
+    if mode == GenerationMode.DOLA_GENERATION:
+        return f"dola_layers={config.dola_layers!r}", "dola_layers=None"
+    given = [
+        f"{name}={getattr(config, name)!r}"
+        for name in ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
+        if getattr(config, name, None) not in (None, False)
+    ]  # assisted generation: hf_blockwise's drafters take its place (assistant=)
+    return " / ".join(given) or "an assistant model", "assistant= with a drafter of hf_blockwise instead"
 
 
 def decoder_prompt_kwargs(model_kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -56,7 +56,9 @@ def has_file(name_or_path: str | os.PathLike, filename: str) -> bool:
     check_local_path(name_or_path, "no model")
     if os.path.isdir(name_or_path):
         return os.path.isfile(os.path.join(name_or_path, filename))
-    return cached_file(str(name_or_path), filename, _raise_exceptions_for_missing_entries=False) is not None
+    found = from_hub(cached_file, str(name_or_path), "the checkpoint", filename=filename,
+                     _raise_exceptions_for_missing_entries=False)  # fmt: skip
+    return found is not None
 
 
 def resolve_file(name_or_path: str | os.PathLike, filename: str) -> str:
@@ -68,7 +70,7 @@ def resolve_file(name_or_path: str | os.PathLike, filename: str) -> str:
                 f"{name_or_path} holds no {filename}; is it a directory written by save_pretrained?"
             )
         return path
-    resolved = cached_file(str(name_or_path), filename)
+    resolved = from_hub(cached_file, str(name_or_path), "the checkpoint", filename=filename)
     if resolved is None:
         raise FileNotFoundError(f"{name_or_path} holds no {filename}")
     return resolved

@@ -58,6 +58,7 @@ def check_generate_inputs(model: nn.Module, args: tuple, kwargs: dict[str, Any])
         args, kwargs: the positional and keyword arguments of that call.
     """
     check_materialized(model)
+    _check_streamed_beams(model, kwargs)
     check_input_features(model, args[0] if args else kwargs.get("input_features"))
     inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs", kwargs.get("inputs_embeds")))
     if not isinstance(inputs, torch.Tensor):
@@ -69,6 +70,20 @@ def check_generate_inputs(model: nn.Module, args: tuple, kwargs: dict[str, Any])
         raise ValueError(
             f"the input is {inputs.shape[1]} tokens long, but the encoder of {model_name(model)} has {limit} "
             f"positions; truncate it, e.g. tokenizer(..., truncation=True, max_length={limit})"
+        )
+
+
+def _check_streamed_beams(model: nn.Module, kwargs: dict[str, Any]) -> None:
+    """transformers' own refusal of a streamer with beam search, before `generate` feeds the streamer its prompt of
+    `num_beams` rows (which a `TextStreamer` refuses as "batch size 1 only", a misleading reason)."""
+    if kwargs.get("streamer") is None:
+        return
+    config = kwargs.get("generation_config") or model.generation_config
+    beams = kwargs.get("num_beams", config.num_beams)
+    if beams is not None and beams > 1:
+        raise ValueError(
+            f"streamer= cannot be used with beam search (num_beams={beams}), as in transformers' generate: stream "
+            "with num_beams=1"
         )
 
 

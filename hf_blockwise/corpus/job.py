@@ -25,11 +25,14 @@ from hf_blockwise.corpus.output import (
     CorpusSettings,
     OutputProgress,
     append_chunk,
+    check_output,
     claim_output,
+    first_bad_line,
     merge_shards,
     progress_path,
     read_progress,
     shard_path,
+    warn_repaired,
     whole_output_settings,
     write_progress,
 )
@@ -55,7 +58,7 @@ from hf_blockwise.loading import (
 )
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
 from hf_blockwise.modeling.model import BlockwiseHeadsModel
-from hf_blockwise.modeling.quantization import float_state_dict
+from hf_blockwise.quantization import float_state_dict
 
 # the job's drafter names: `auto` (the fastest exact choice, [`choose_drafter`]), `none`, and the registry's drafters
 # offered for corpora ([`hf_blockwise.loading.DRAFTERS`])
@@ -74,7 +77,9 @@ class CorpusReport:
         skipped (`int`): sources skipped as too long. new_tokens (`int`): generated tokens.
         row_calls (`int`): decoder calls summed over rows (a call serving 8 rows counts 8); `new_tokens / row_calls` is
             the mean tokens per decoder call a row gained. seconds (`float`): wall time of decoding.
-        drafter (`str`): the drafter used. resumed_lines (`int`): lines already in the output when the run began.
+        drafter (`str`): the drafter used. resumed_lines (`int`): lines already in the output when the run began
+            (those it verifiably held). repaired_from (`int`, *optional*): the first line (from 1) that no longer
+            held what the job wrote (deleted, edited or appended since), from which on it was written again.
     """
 
     output: str
@@ -85,6 +90,7 @@ class CorpusReport:
     row_calls: int = 0
     seconds: float = 0.0
     resumed_lines: int = 0
+    repaired_from: int | None = None
 
     @property
     def sentences_per_second(self) -> float:
@@ -486,20 +492,30 @@ def length_limit(job: CorpusJob) -> str:
 
 
 def run_job(job: CorpusJob, overwrite: bool = False, progress: bool = True) -> CorpusReport:
-    """Decodes this process's chunks that the output does not hold yet, then (process 0, with several) merges."""
+    """Decodes this process's chunks that the output does not verifiably hold yet, then (process 0, with several)
+    merges. Every run first checks the output against its progress file, finished or not ([`check_output`]): lines
+    deleted, edited or appended since are decoded again from the first damaged chunk on, with a
+    [`CorpusRepairWarning`] naming the first bad line, so that the output ends byte-identical to an uninterrupted
+    run's."""
     settings, state = job.settings, job.state
     report = CorpusReport(output=os.fspath(job.output), drafter=settings.drafter)
-    final = read_progress(job.output)
-    if final is not None and final.complete and final.settings == whole_output_settings(settings) and not overwrite:
-        report.resumed_lines = final.lines
-        return report  # already done
+    if settings.num_shards > 1 and _merged_output_is_done(job, overwrite):
+        report.resumed_lines = settings.num_lines
+        return report
     if overwrite and state.is_main_process and state.num_processes > 1:
         job.output.unlink(missing_ok=True)
         progress_path(job.output).unlink(missing_ok=True)
-    written = claim_output(job.shard_output, settings, overwrite)
+    written, damage = claim_output(job.shard_output, settings, overwrite)
+    report.resumed_lines = written.lines
+    if written.complete:  # nothing to decode: at most lines appended after the end were cut
+        if damage is not None:
+            report.repaired_from = damage.line
+            warn_repaired(job.shard_output, damage.line, damage.line, damage.line - 1)
+            damage = None
+        if settings.num_shards == 1:
+            return report
     chunks = chunks_of_shard(settings.num_lines, settings.chunk_size, settings.num_shards, max(settings.shard, 0))
     done = written.lines  # whole chunks only: a complete shard holds all of its lines
-    report.resumed_lines = done
     todo = _chunks_after(chunks, done)
     bar = tqdm(
         total=sum(len(chunk) for chunk in chunks), initial=done, unit="line", disable=not progress, dynamic_ncols=True,
@@ -512,6 +528,8 @@ def run_job(job: CorpusJob, overwrite: bool = False, progress: bool = True) -> C
                 job.loaded, job.drafter, job.texts[chunk.start : chunk.stop], settings, job.generate_kwargs
             )
             lines = [format_line(chunk.start + offset, row, settings) for offset, row in enumerate(rows)]
+            if damage is not None and report.repaired_from is None:  # the damaged chunk, decoded again
+                report.repaired_from = first_bad_line(damage, lines)
             written = append_chunk(job.shard_output, written, lines)
             _account(report, rows)
             report.seconds = time.perf_counter() - started
@@ -519,6 +537,8 @@ def run_job(job: CorpusJob, overwrite: bool = False, progress: bool = True) -> C
             bar.set_postfix(
                 tok_s=f"{report.tokens_per_second:.0f}", tok_call=f"{report.tokens_per_call:.2f}", refresh=False
             )
+    if damage is not None:
+        warn_repaired(job.shard_output, report.repaired_from or damage.line, damage.line, written.lines)
     write_progress(job.shard_output, OutputProgress(**(asdict(written) | {"complete": True})))
     if report.skipped:
         warnings.warn(f"{report.skipped} sources were longer than the model's positions and skipped", stacklevel=2)
@@ -528,6 +548,23 @@ def run_job(job: CorpusJob, overwrite: bool = False, progress: bool = True) -> C
             merge_shards(job.output, settings, settings.chunk_size)
         state.wait_for_everyone()
     return report
+
+
+def _merged_output_is_done(job: CorpusJob, overwrite: bool) -> bool:
+    """Whether the whole output of a run of several processes is merged and still holds what was merged. One that
+    no longer does is refused: its lines are spread over the processes' chunks, which one process of several
+    cannot decode again alone."""
+    final = read_progress(job.output)
+    if overwrite or final is None or not final.complete or final.settings != whole_output_settings(job.settings):
+        return False
+    _, damage = check_output(job.output, final, repair=False)
+    if damage is not None:
+        raise ValueError(
+            f"{job.output} no longer holds what was written, from the chunk at line {damage.line} on (lines deleted, "
+            "edited or appended since): rerun in one process, which decodes it again from there, or pass "
+            "--overwrite / overwrite=True to decode everything again"
+        )
+    return True
 
 
 def _chunks_after(chunks: Sequence[range], done: int) -> Iterator[range]:

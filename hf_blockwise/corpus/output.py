@@ -1,12 +1,16 @@
 """The output file and its progress file: claiming an output for a run (or refusing one that belongs to another),
-appending a chunk durably, and merging the shards of several processes in input order."""
+checking that it still holds what was written (each chunk's lines, bytes and SHA-256), appending a chunk durably,
+and merging the shards of several processes in input order."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
+import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,12 +68,34 @@ def shard_path(output: str | os.PathLike, shard: int, num_shards: int) -> Path:
 
 @dataclass
 class OutputProgress:
-    """The content of a progress file: the run's settings, the complete lines and bytes, and whether it is done."""
+    """The content of a progress file: the run's settings, the complete lines and bytes, whether it is done, and
+    what each chunk wrote (`{"lines", "bytes", "sha256"}`, in file order), against which the output is checked."""
 
     settings: dict[str, Any]
     lines: int = 0
     bytes: int = 0
     complete: bool = False
+    chunks: list[dict[str, Any]] = field(default_factory=list)
+
+
+class CorpusRepairWarning(UserWarning):
+    """An output no longer held what its job wrote (lines deleted, edited or appended since): the job decoded the
+    lines from the first damaged chunk on again."""
+
+
+@dataclass(frozen=True)
+class Damage:
+    """Where an output stopped holding what its progress file records.
+
+    Attributes:
+        line (`int`): the first line (from 1) of the first chunk that does not match; for lines appended to a
+            finished output, the line after its last.
+        found (`bytes`): what the file held from that chunk's start, up to the chunk's recorded length: decoded
+            again, the chunk's lines name the first bad line ([`first_bad_line`]).
+    """
+
+    line: int
+    found: bytes = b""
 
 
 def read_progress(output: str | os.PathLike) -> OutputProgress | None:
@@ -77,19 +103,96 @@ def read_progress(output: str | os.PathLike) -> OutputProgress | None:
     if not path.is_file():
         return None
     try:
-        return OutputProgress(**json.loads(path.read_text(encoding="utf-8")))
+        data = json.loads(path.read_text(encoding="utf-8"))
+        progress = OutputProgress(**data)
     except (json.JSONDecodeError, TypeError) as error:
         raise ValueError(f"{path} is not a progress file of hf-blockwise generate ({error})") from error
+    if "chunks" not in data and progress.lines > 0:
+        raise ValueError(
+            f"{path} was written by an older hf-blockwise that recorded no digests of the output, so the output "
+            "cannot be checked: pass --overwrite / overwrite=True to decode it again"
+        )
+    return progress
+
+
+def _chunk_record(data: bytes, lines: int) -> dict[str, Any]:
+    return {"lines": lines, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def check_output(output: Path, progress: OutputProgress, repair: bool) -> tuple[OutputProgress, Damage | None]:
+    """Checks `output` against the chunks its progress file records, and cuts it back to the verified ones.
+
+    Bytes past the last chunk of an unfinished output are what an interrupted append leaves: cut, no damage. Any
+    other difference (lines deleted, edited or appended since, a shorter or missing file) is a [`Damage`]: the
+    output is cut back to the chunks before it, which are then all that is recorded, to be decoded again from there.
+
+    Args:
+        repair (`bool`): cut the file and return the cut progress; `False` (a finished output merged from several
+            processes, which one process cannot decode again) only looks.
+
+    Returns:
+        The progress of what the file verifiably holds (unchanged when nothing is wrong), and the damage if any.
+    """
+    size = output.stat().st_size if output.exists() else 0
+    offset, lines, damage, kept = 0, 0, None, 0
+    with open(output, "rb") if output.exists() else io.BytesIO() as handle:  # a missing output holds no bytes
+        for record in progress.chunks:
+            data = handle.read(record["bytes"])
+            if len(data) != record["bytes"] or hashlib.sha256(data).hexdigest() != record["sha256"]:
+                damage = Damage(line=lines + 1, found=data)
+                break
+            offset, lines, kept = offset + record["bytes"], lines + record["lines"], kept + 1
+    if damage is None and size > offset and progress.complete:
+        damage = Damage(line=lines + 1)  # lines appended to a finished output
+    if damage is None and size == offset:
+        return progress, None
+    if not repair:
+        return progress, damage
+    if output.exists():
+        with open(output, "r+b") as handle:
+            handle.truncate(offset)
+    else:
+        output.write_bytes(b"")
+    complete = progress.complete and kept == len(progress.chunks)  # only junk after the last chunk was cut
+    verified = OutputProgress(progress.settings, lines, offset, complete, progress.chunks[:kept])
+    write_progress(output, verified)
+    return verified, damage
+
+
+def first_bad_line(damage: Damage, decoded: Sequence[str]) -> int:
+    """The first line (from 1) of a damaged chunk whose bytes differ from what the chunk decoded again holds."""
+    found = damage.found.decode("utf-8", errors="replace").splitlines(keepends=True)
+    for offset, line in enumerate(decoded):
+        if offset >= len(found) or found[offset] != line:
+            return damage.line + offset
+    return damage.line
+
+
+def warn_repaired(output: Path, first_bad: int, decoded_from: int, decoded_to: int) -> None:
+    """The [`CorpusRepairWarning`] of a repaired output: the file, its first bad line, what was decoded again."""
+    what = "lines appended after the last line written were removed" if decoded_to < decoded_from else (
+        f"lines {decoded_from}-{decoded_to} were decoded again"
+    )  # fmt: skip
+    warnings.warn(
+        f"{output} did not hold what this job wrote from line {first_bad} on (lines deleted, edited or appended "
+        f"since): {what}; the output is now what an uninterrupted run writes",
+        CorpusRepairWarning,
+        stacklevel=3,
+    )
 
 
 def write_progress(output: str | os.PathLike, progress: OutputProgress) -> None:
     atomic_write_text(progress_path(output), json.dumps(asdict(progress), indent=1, sort_keys=True) + "\n")
 
 
-def claim_output(output: Path, settings: CorpusSettings, overwrite: bool) -> OutputProgress:
-    """The progress of `output` for a run with `settings`: a fresh one for a new file, the recorded one (with the file
-    cut back to its complete chunks) to resume. An existing file written by another run, or by something else, is
-    refused unless `overwrite`."""
+def claim_output(output: Path, settings: CorpusSettings, overwrite: bool) -> tuple[OutputProgress, Damage | None]:
+    """The progress of `output` for a run with `settings`: a fresh one for a new file, the recorded one to resume,
+    with the file checked and cut back to the chunks it verifiably holds ([`check_output`]). An existing file
+    written by another run, or by something else, is refused unless `overwrite`.
+
+    Returns:
+        The progress to resume from, and the damage found (the lines from there on are to be decoded again).
+    """
     recorded = read_progress(output)
     if overwrite:
         output.unlink(missing_ok=True)
@@ -106,7 +209,13 @@ def claim_output(output: Path, settings: CorpusSettings, overwrite: bool) -> Out
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_bytes(b"")
         write_progress(output, progress)
-        return progress
+        return progress, None
+    check_same_settings(output, recorded, mine)
+    return check_output(output, recorded, repair=True)
+
+
+def check_same_settings(output: Path, recorded: OutputProgress, mine: dict[str, Any]) -> None:
+    """A `ValueError` naming each setting of `recorded` that differs from this run's (`mine`)."""
     differing = sorted(key for key in set(mine) | set(recorded.settings) if mine.get(key) != recorded.settings.get(key))
     if differing:
         details = ", ".join(f"{key} {recorded.settings.get(key)!r} (now {mine.get(key)!r})" for key in differing)
@@ -114,13 +223,6 @@ def claim_output(output: Path, settings: CorpusSettings, overwrite: bool) -> Out
             f"{output} belongs to another run: it was written with {details}. Rerun with the same settings to "
             "resume, choose another output, or pass --overwrite / overwrite=True to start over"
         )
-    size = output.stat().st_size if output.exists() else 0
-    if size < recorded.bytes:
-        raise ValueError(f"{output} is shorter ({size} bytes) than its progress file records ({recorded.bytes})")
-    if size > recorded.bytes:  # an interrupted append: drop the chunk it did not finish
-        with open(output, "r+b") as handle:
-            handle.truncate(recorded.bytes)
-    return recorded
 
 
 def append_chunk(output: Path, progress: OutputProgress, lines: Sequence[str]) -> OutputProgress:
@@ -132,8 +234,9 @@ def append_chunk(output: Path, progress: OutputProgress, lines: Sequence[str]) -
         handle.flush()
         os.fsync(handle.fileno())
     updated = OutputProgress(
-        settings=progress.settings, lines=progress.lines + len(lines), bytes=progress.bytes + len(data)
-    )
+        settings=progress.settings, lines=progress.lines + len(lines), bytes=progress.bytes + len(data),
+        chunks=[*progress.chunks, _chunk_record(data, len(lines))],
+    )  # fmt: skip
     write_progress(output, updated)
     return updated
 
@@ -159,10 +262,17 @@ def merge_shards(output: Path, settings: CorpusSettings, chunk_size: int) -> Non
     finally:
         for handle in handles:
             handle.close()
+    chunks = [
+        _chunk_record(
+            "".join(lines[start : start + chunk_size]).encode("utf-8"), len(lines[start : start + chunk_size])
+        )
+        for start in range(0, num_lines, chunk_size)
+    ]  # the merged file's chunks, in input order: a later run checks it as a one-process output
     text = "".join(lines)
     atomic_write_text(output, text)
     merged = whole_output_settings(settings)
-    write_progress(output, OutputProgress(merged, lines=num_lines, bytes=len(text.encode("utf-8")), complete=True))
+    size = sum(chunk["bytes"] for chunk in chunks)
+    write_progress(output, OutputProgress(merged, lines=num_lines, bytes=size, complete=True, chunks=chunks))
     for shard in range(num_shards):
         shard_path(output, shard, num_shards).unlink()
         progress_path(shard_path(output, shard, num_shards)).unlink()

@@ -13,7 +13,7 @@ from typing import Any
 import datasets
 
 from hf_blockwise import boundary as hf
-from hf_blockwise.text_files import open_text
+from hf_blockwise.text_files import read_text
 
 DATASET_FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".json": "json", ".arrow": "arrow"}
 
@@ -47,8 +47,7 @@ def read_sources(source: str | Sequence[str] | datasets.Dataset, column: str | N
     if os.path.isfile(path):
         if column is not None:
             raise ValueError(f"{path} is a text file (one source per line): it has no column {column!r}")
-        with open_text(path) as handle:
-            return _checked_texts(handle.read().splitlines(), path)
+        return _checked_texts(read_text(path).splitlines(), path)
     if os.path.isdir(path) and _is_saved_dataset(path):
         return _dataset_column(_pick_split(datasets.load_from_disk(path), split, path), column, path)
     if os.path.splitext(name)[1]:  # a file name, not a dataset id
@@ -94,18 +93,17 @@ def _jsonl_column(path: str, column: str | None) -> list[str]:
     if column is None:
         raise ValueError(f"{path} is JSONL: name the field holding the sources with --column / column=")
     texts = []
-    with open_text(path) as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}, line {number}: not JSON ({error})") from error
-            if not isinstance(record, dict) or column not in record:
-                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise ValueError(f"{path}, line {number}: no field {column!r} (it has {keys})")
-            texts.append(record[column])
+    for number, line in enumerate(read_text(path).split("\n"), start=1):  # not splitlines: JSON strings hold U+2028
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}, line {number}: not JSON ({error})") from error
+        if not isinstance(record, dict) or column not in record:
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(f"{path}, line {number}: no field {column!r} (it has {keys})")
+        texts.append(record[column])
     return _checked_texts(texts, f"field {column!r} of {path}")
 
 

@@ -112,6 +112,14 @@ class FeatureDraftCache:
     eager_block: nn.Module | None = None
 
 
+def check_draft_threshold(threshold: object, name: str) -> None:
+    """A `ValueError` naming `name` unless `threshold` is `None` or a number in [0, 1): the probability below which
+    a row stops drafting (the drafter's argument, its config's `draft_threshold`, a bench mode's `_t<threshold>`)."""
+    number = isinstance(threshold, int | float) and not isinstance(threshold, bool)
+    if threshold is not None and not (number and 0.0 <= threshold < 1.0):
+        raise ValueError(f"{name} must be a number in [0, 1) or None, got {threshold!r}")
+
+
 class FeatureDrafter(Drafter):
     """Drafts with a [`FeatureDrafterModel`]: one small decoder layer run autoregressively on predicted states.
 
@@ -147,8 +155,7 @@ class FeatureDrafter(Drafter):
         block_size = model.feature_config.block_size if block_size is None else block_size
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
             raise ValueError(f"block_size must be an int >= 2, got {block_size!r}")
-        if threshold is not None and not 0.0 <= threshold < 1.0:
-            raise ValueError(f"threshold must be in [0, 1) or None, got {threshold!r}")
+        check_draft_threshold(threshold, "threshold")
         check_tree_options(tree_nodes, tree_branching, block_size - 1, tree_frontier)
         if tree_nodes is not None and threshold is not None:
             raise ValueError("threshold cuts chains of drafts; a tree (tree_nodes=) selects its nodes by cumulative "

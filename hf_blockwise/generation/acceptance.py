@@ -175,8 +175,28 @@ class MinimumBlockAcceptance:
         return self.min_block == 1 and self.rule.lossless
 
     def __call__(self, scores: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-        forced = torch.arange(drafts.shape[-1], device=drafts.device) < self.min_block - 1  # (D,)
-        return self.rule(scores, drafts) | forced
+        """Drafts judged by their column, which is their place in the block on a chain ([`accepted_at`] takes the
+        places of a tree's drafts)."""
+        places = torch.arange(drafts.shape[-1], device=drafts.device).expand_as(drafts)
+        return accepted_at(self, scores, drafts, places)
+
+
+def accepted_at(rule: AcceptanceRule, scores: torch.Tensor, drafts: torch.Tensor, places: torch.Tensor) -> torch.Tensor:
+    """`rule(scores, drafts)`, with [`MinimumBlockAcceptance`] forcing drafts by their place in the block rather than
+    by their column: on a chain the two are the same, on a tree a column holds a node of any depth.
+
+    Args:
+        scores (`torch.FloatTensor` of shape `(batch_size, num_drafts, vocab_size)`), drafts (`torch.LongTensor` of
+            shape `(batch_size, num_drafts)`): as for an [`AcceptanceRule`].
+        places (`torch.LongTensor` of shape `(batch_size, num_drafts)`): each draft's place in its block, 0 for a
+            draft right after the tokens already decided.
+
+    Returns:
+        `torch.BoolTensor` of shape `(batch_size, num_drafts)`.
+    """
+    if isinstance(rule, MinimumBlockAcceptance):
+        return accepted_at(rule.rule, scores, drafts, places) | (places < rule.min_block - 1)
+    return rule(scores, drafts)
 
 
 def check_rule_fits(rule: AcceptanceRule, block_size: int) -> None:

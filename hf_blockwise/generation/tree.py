@@ -27,7 +27,7 @@ import torch
 
 from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.base import Drafts
-from hf_blockwise.generation.acceptance import ExactAcceptance
+from hf_blockwise.generation.acceptance import ExactAcceptance, accepted_at
 from hf_blockwise.generation.state import DecodingSetup, DecodingState, StepFeed
 
 
@@ -149,7 +149,9 @@ def verify_tree(
         match = greedy.gather(1, judge) == feed.tokens
     else:
         index = judge[..., None].expand(-1, -1, scores.shape[2])
-        match = setup.acceptance(scores.gather(1, index), feed.tokens)
+        # a node's place in its block is its depth past the pending tokens (MinimumBlockAcceptance forces by it)
+        places = tree.depth - feed.num_pending[:, None]  # (b, W), < 0 at pending columns
+        match = accepted_at(setup.acceptance, scores.gather(1, index), feed.tokens, places)
     columns = torch.arange(width, device=scores.device)
     right = (columns < feed.num_pending[:, None]) | (is_draft & match)  # (b, W)
     reached = ~(tree.ancestors & ~right[:, None, :]).any(dim=2)  # (b, W): the whole path to it is right

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from hf_blockwise.drafters.feature import check_draft_threshold
 from hf_blockwise.renamed import renamed_names
 from hf_blockwise.serialization import JsonConfigMixin
 
@@ -150,8 +151,7 @@ class FeatureDrafterConfig(JsonConfigMixin):
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
         check_fingerprint(self.base_fingerprint)
-        if self.draft_threshold is not None and not 0.0 <= self.draft_threshold < 1.0:
-            raise ValueError(f"draft_threshold must be in [0, 1) or None, got {self.draft_threshold!r}")
+        check_draft_threshold(self.draft_threshold, "draft_threshold")
         if not isinstance(self.cross_attention, bool):
             raise ValueError(f"cross_attention must be a bool, got {self.cross_attention!r}")
         if isinstance(self.training_depth, bool) or not isinstance(self.training_depth, int) or self.training_depth < 1:

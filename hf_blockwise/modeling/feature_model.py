@@ -18,6 +18,7 @@ from hf_blockwise.modeling.adapter import AdapterModelMixin, check_base_signatur
 from hf_blockwise.modeling.config import FeatureDrafterConfig
 from hf_blockwise.modeling.feature_layer import FeatureDrafterLayer, unrolled_mask
 from hf_blockwise.modeling.shortlist import shortlist_ids
+from hf_blockwise.quantization import warn_if_int8_base
 from hf_blockwise.serialization import load_adapter_weights, save_adapter
 
 FEATURE_DRAFTER_WEIGHTS_NAME = "feature_drafter.safetensors"
@@ -301,6 +302,7 @@ class FeatureDrafterModel(AdapterModelMixin, BaseModelWrapper):
             base_model_name_or_path (`str`, *optional*): another base location to record (e.g. a hub name).
             dtype (`torch.dtype`, *optional*): store the weights in this dtype (e.g. `torch.float16`).
         """
+        warn_if_int8_base(self, "feature drafter's weights")
         config = self.feature_config
         if base_model_name_or_path is not None:
             config = replace(config, base_model_name_or_path=base_model_name_or_path)

@@ -27,6 +27,7 @@ from hf_blockwise.modeling.adapter import AdapterModelMixin, check_base_signatur
 from hf_blockwise.modeling.config import BlockwiseHeadsConfig
 from hf_blockwise.modeling.heads import BlockwiseHeads, SequentialHeads
 from hf_blockwise.modeling.shortlist import shortlist_ids
+from hf_blockwise.quantization import warn_if_int8_base
 from hf_blockwise.serialization import load_adapter_weights, read_adapter_weights, save_adapter
 
 WEIGHTS_NAME = "blockwise_heads.safetensors"
@@ -268,6 +269,8 @@ class BlockwiseHeadsModel(AdapterModelMixin, BaseModelWrapper):
                 fingerprint of its weights as they are now, so that the directory loads as one piece (a checkpoint
                 of full fine-tuning).
         """
+        if not include_base:
+            warn_if_int8_base(self, "proposal heads")
         config = self.blockwise_config
         if include_base and base_model_name_or_path is None:
             base_model_name_or_path = "."

@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForSeq2SeqLM, PreTrainedModel
 from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.nar import NonAutoregressiveDrafter, check_same_vocabulary
 from hf_blockwise.modeling.config import check_block_size, check_fingerprint
-from hf_blockwise.modeling.quantization import float_state_dict
+from hf_blockwise.quantization import float_state_dict
 from hf_blockwise.serialization import JsonConfigMixin, atomic_write_text, load_adapter_weights, save_adapter
 
 NAR_CONFIG_NAME = "nar_drafter_config.json"

@@ -13,7 +13,10 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from hf_blockwise.drafters.feature import check_draft_threshold
+from hf_blockwise.drafters.trees import check_tree_options
 from hf_blockwise.loading import DRAFTERS
+from hf_blockwise.modeling.config import MAX_BLOCK_SIZE, check_block_size
 
 COMPILED_SUFFIX = "_compiled"
 # the variants a family may come in: eager float32, on the int8 model (for `ct2`: CTranslate2's int8 compute
@@ -132,19 +135,19 @@ class Mode:
             return cls(name, family, compiled=compiled, int8=int8)
         oracle = _ORACLE.fullmatch(plain)
         if oracle:
-            return cls(name, "oracle", compiled=compiled, block_size=int(oracle.group(1)))
+            return _checked_sizes(cls(name, "oracle", compiled=compiled, block_size=int(oracle.group(1))))
         gad = _gad_mode(name, plain, compiled)
         if gad is not None:
-            return gad
+            return _checked_sizes(gad)
         sized = _SIZED.fullmatch(plain)
         raw = sized and (sized.group(3) or sized.group(7))
         if sized and (not raw or _is_number(raw)):
             nodes, branching = sized.group(4), sized.group(5)
-            return cls(
+            return _checked_sizes(cls(
                 name, sized.group(1) or "feature", compiled, int8=bool(sized.group(6)),
                 block_size=int(sized.group(2)) if sized.group(2) else None, threshold=float(raw) if raw else None,
                 tree_nodes=int(nodes) if nodes else None, tree_branching=int(branching) if branching else 2,
-            )  # fmt: skip
+            ))  # fmt: skip
         raise ValueError(
             f"Unknown mode {name!r}; choose from {MODE_NAMES}, oracle_k<k>, heads_k<k>, seq_heads_k<k>, feature_k<k>, "
             "feature_k<k>_t<threshold>, feature_t<threshold>, trees <heads|feature>_k<k>_n<nodes>[_m<branching>] (each "
@@ -201,6 +204,23 @@ class Mode:
     def batch_one_only(self) -> bool:
         """Whether this mode only runs at batch size 1 (transformers' assisted generation decodes one row)."""
         return self.family in _BATCH_ONE_ONLY
+
+
+def _checked_sizes(mode: Mode) -> Mode:
+    """`mode`, or a `ValueError` naming it and the size that no drafter could take (`feature_k0`, `feature_k4_n0`,
+    `heads_k4_n1000`, `feature_t1.5`): checked when the name is read, before any model loads."""
+    try:
+        if mode.block_size is not None:
+            check_block_size(mode.block_size)
+        if isinstance(mode.threshold, float):
+            check_draft_threshold(mode.threshold, "the threshold (_t)")
+        if mode.tree_nodes is not None:
+            # the most candidates any tree drafter ranks at this k and branching (a drafter checks its own too)
+            depths = (mode.block_size or MAX_BLOCK_SIZE) - 1
+            check_tree_options(mode.tree_nodes, mode.tree_branching, depths, frontier=mode.tree_branching)
+    except ValueError as error:
+        raise ValueError(f"mode {mode.name!r}: {error}") from None
+    return mode
 
 
 def _gad_mode(name: str, plain: str, compiled: bool) -> Mode | None:

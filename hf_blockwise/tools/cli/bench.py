@@ -62,8 +62,11 @@ def _sources(args: argparse.Namespace, setup: BenchSetup) -> tuple[list, list[st
         transcripts = [example.transcript for example in examples]
         return sources, None if None in transcripts else transcripts
     if args.source_file:
-        sources = read_lines(args.source_file)
-        references = read_lines(args.reference_file) if args.reference_file else None
+        try:
+            sources = read_lines(args.source_file)
+            references = read_lines(args.reference_file) if args.reference_file else None
+        except ValueError as error:  # not UTF-8: the file, line and byte, and what to do
+            raise SystemExit(str(error)) from None
     else:
         sources, references = list(DEMO_SENTENCES), None
     if references is not None and len(references) != len(sources):
@@ -340,7 +343,7 @@ def _mode_name(mode: str) -> str:
     try:
         Mode.parse(mode)
     except ValueError as error:
-        raise argparse.ArgumentTypeError(f"unknown mode {mode!r}") from error
+        raise argparse.ArgumentTypeError(str(error)) from error  # an unknown name, or a size no drafter takes
     return mode
 
 

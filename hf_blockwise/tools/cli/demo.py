@@ -95,9 +95,11 @@ def run_asr_demo(
     threads: int | None,
     max_new_tokens: int | None,
     compile: bool,
+    num_beams: int | None = None,
 ) -> int:
-    """Speech recognition, greedy and blockwise side by side, one clip at a time: the speech encoder-decoder at
-    `model_path` (saved with its processor) with its `feature-drafter/`, on its `clips/` or on `audio_folder`.
+    """Speech recognition, greedy (or beam search) and blockwise side by side, one clip at a time: the speech
+    encoder-decoder at `model_path` (saved with its processor) with its `feature-drafter/`, on its `clips/` or on
+    `audio_folder`; `num_beams` as in [`run_demo`].
 
     Returns:
         `int`: 0 when every transcript is identical to greedy's, else 1 (the exit status).
@@ -122,7 +124,8 @@ def run_asr_demo(
         f"{'compiled engine' if compile else 'eager'}), {torch.get_num_threads()} threads, batch 1, "
         f"{limit_words(base, max_new_tokens)}"
     )
-    return _side_by_side(loaded, assistant, batches, labels, repeats, _search(base, max_new_tokens), compile)
+    search = _search(base, max_new_tokens, num_beams)
+    return _side_by_side(loaded, assistant, batches, labels, repeats, search, compile)
 
 
 def _search(base: nn.Module, max_new_tokens: int | None, num_beams: int | None = None) -> dict[str, Any]:
@@ -198,7 +201,13 @@ def run_demo_command(demo: argparse.ArgumentParser, args: argparse.Namespace) ->
                 "feature-drafter/ subfolder (and --audio-folder DIR unless DIR/clips holds the audio)"
             )
         return run_asr_demo(
-            model, args.audio_folder, args.repeats, args.threads, args.max_new_tokens, compile=not args.no_compile
+            model,
+            args.audio_folder,
+            args.repeats,
+            args.threads,
+            args.max_new_tokens,
+            compile=not args.no_compile,
+            num_beams=args.num_beams,
         )
     if args.audio_folder:
         demo.error("--audio-folder needs --task asr")

@@ -82,10 +82,12 @@ def run_generate_command(parser: argparse.ArgumentParser, args: argparse.Namespa
         report = run_job(job, overwrite=args.overwrite, progress=not args.no_progress)
     except ValueError as error:
         raise SystemExit(f"hf-blockwise generate: {error}") from error
+    repaired = "" if report.repaired_from is None else f", decoded again from line {report.repaired_from}"
     print(
-        f"{report.output}: {report.lines} lines decoded ({report.resumed_lines} already there, {report.skipped} "
-        f"skipped) with drafter {report.drafter} in {report.seconds:.1f}s: {report.sentences_per_second:.1f} "
-        f"sentences/s, {report.tokens_per_second:.0f} tokens/s, {report.tokens_per_call:.2f} tokens per decoder call"
+        f"{report.output}: {report.lines} lines decoded ({report.resumed_lines} already there{repaired}, "
+        f"{report.skipped} skipped) with drafter {report.drafter} in {report.seconds:.1f}s: "
+        f"{report.sentences_per_second:.1f} sentences/s, {report.tokens_per_second:.0f} tokens/s, "
+        f"{report.tokens_per_call:.2f} tokens per decoder call"
     )
     return 0
 

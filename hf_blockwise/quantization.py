@@ -23,7 +23,9 @@ decoding of the quantized model is then exact with respect to the quantized mode
 
 from __future__ import annotations
 
+import functools
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from hf_blockwise import boundary as hf
+from hf_blockwise.snapshot import TensorSnapshot
 
 _INT8_MAX = 127.0
 
@@ -68,6 +71,41 @@ def int8_linear(
     return outputs if bias is None else outputs.add_(bias)
 
 
+def _quantized(
+    weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The int8 copy of a linear layer's weights.
+
+    Args:
+        weight (`torch.Tensor` of shape `(out_features, in_features)`), bias (`torch.Tensor` of shape
+            `(out_features,)`, *optional*).
+
+    Returns:
+        weight_int8_t (`torch.CharTensor` of shape `(in_features, out_features)`), weight_scale
+        (`torch.FloatTensor` of shape `(out_features,)`) and the bias as float32 (a view of a float32 bias).
+    """
+    weight = weight.detach().float()  # (out, in)
+    scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / _INT8_MAX  # (out,)
+    quantized = torch.round(weight / scale[:, None]).to(torch.int8)
+    return quantized.t().contiguous(), scale, None if bias is None else bias.detach().float()
+
+
+class _InferenceOnly(torch.autograd.Function):
+    """Passes an int8 layer's output through; its backward refuses: int8 products have no useful gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, outputs: torch.Tensor, *sources: torch.Tensor) -> torch.Tensor:
+        return outputs.view_as(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> Any:
+        raise RuntimeError(
+            "A backward pass reached an int8 layer of hf_blockwise (quantize_dynamic_int8): int8 models are for "
+            "inference. Train the float model (or heads and drafters on a frozen base: base.requires_grad_(False)) "
+            "and call quantize_dynamic_int8 on it afterwards."
+        )
+
+
 class Int8Linear(nn.Module):
     """A `nn.Linear` whose product runs in int8 with per-output-channel weight and per-token input scales.
 
@@ -83,15 +121,33 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        weight = linear.weight.detach().float()  # (out, in)
-        scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / _INT8_MAX  # (out,)
-        quantized = torch.round(weight / scale[:, None]).to(torch.int8)
+        weight_int8_t, weight_scale, bias_float = _quantized(self.weight, self.bias)
         # (in, out): `_int_mm`'s layout, transposed once here rather than in every call
-        self.register_buffer("weight_int8_t", quantized.t().contiguous(), persistent=False)
-        self.register_buffer("weight_scale", scale, persistent=False)
+        self.register_buffer("weight_int8_t", weight_int8_t, persistent=False)
+        self.register_buffer("weight_scale", weight_scale, persistent=False)
         # the bias as a plain float tensor for the operator (a view of the parameter, not a copy)
-        bias = None if linear.bias is None else linear.bias.detach().float()
-        self.register_buffer("bias_float", bias, persistent=False)
+        self.register_buffer("bias_float", bias_float, persistent=False)
+        self.sources = TensorSnapshot([self.weight, self.bias])  # what the int8 copy was made from
+
+    def is_stale(self) -> bool:
+        """Whether the float weight or bias changed since the int8 copy was made (see [`TensorSnapshot`])."""
+        return not self.sources.matches([self.weight, self.bias])
+
+    @torch.no_grad()
+    def requantize(self) -> None:
+        """Makes the int8 copy again from the float weight and bias as they are now. The buffers are written in
+        place where their shapes allow, so that their version counters move: the compiled engine's snapshot of the
+        model's tensors sees the change and compiles again."""
+        weight_int8_t, weight_scale, bias_float = _quantized(self.weight, self.bias)
+        if weight_int8_t.shape != self.weight_int8_t.shape:
+            raise ValueError(
+                f"the weight of this Int8Linear is now {tuple(self.weight.shape)}, not ({self.out_features}, "
+                f"{self.in_features}): quantize a model with its final shapes"
+            )
+        self.weight_int8_t.copy_(weight_int8_t)
+        self.weight_scale.copy_(weight_scale)
+        self.bias_float = bias_float  # a view of the bias (or a float copy): never stale in place
+        self.sources = TensorSnapshot([self.weight, self.bias])
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """
@@ -104,7 +160,14 @@ class Int8Linear(nn.Module):
         rows = inputs.reshape(-1, self.in_features)  # (N, in)
         if rows.dtype != torch.float32:
             rows = rows.float()
-        outputs = int8_linear(rows, self.weight_int8_t, self.weight_scale, self.bias_float)
+        tracked = torch.is_grad_enabled() and any(
+            tensor is not None and tensor.requires_grad for tensor in (rows, self.weight, self.bias)
+        )
+        outputs = int8_linear(
+            rows.detach() if tracked else rows, self.weight_int8_t, self.weight_scale, self.bias_float
+        )
+        if tracked:  # a graph whose backward refuses with advice, rather than autograd's in-place error
+            outputs = _InferenceOnly.apply(outputs, rows, self.weight)
         outputs = outputs.reshape(*inputs.shape[:-1], self.out_features)
         return outputs if inputs.dtype == torch.float32 else outputs.to(inputs.dtype)
 
@@ -153,17 +216,81 @@ def quantize_dynamic_int8(model: nn.Module) -> nn.Module:
     Returns:
         The same `model`, for chaining. Its state dict, and so `save_pretrained`, holds the float weights the
         int8 copies are made from (with an [`Int8StateDictWarning`]): quantize again after loading.
-    """
 
+    Whenever the float weights change afterwards (in place, through `.data`, by `copy_`, `load_state_dict` or an
+    optimizer step), the int8 copies are made again before the next `generate` or forward from input ids (a hook on
+    the encoder, [`refresh_int8`]) and before the compiled engine is used. A backward pass is refused: train the
+    float model, then quantize it.
+
+    Raises:
+        `TypeError` for a lone `nn.Linear` (wrap it as `Int8Linear(layer)`), `ValueError` for a model without
+        linear layers or one whose weights are not loaded or not on the CPU.
+    """
     hf.check_model_argument("quantize_dynamic_int8(model)", model)
+    if isinstance(model, nn.Linear | Int8Linear):
+        raise TypeError(
+            f"quantize_dynamic_int8 quantizes the linear layers inside a model, in place, and cannot replace the "
+            f"{type(model).__name__} it is given: use Int8Linear(layer) for a single layer"
+        )
     base = hf.unwrap_base(model)
+    hf.check_materialized(base)
+    if not any(isinstance(module, nn.Linear | Int8Linear) for module in base.modules()):
+        raise ValueError(f"{type(base).__name__} has no nn.Linear layer: there is nothing to quantize")
     devices = {parameter.device.type for parameter in base.parameters()}
     if devices != {"cpu"}:
         raise ValueError(
             f"int8 quantization here targets CPU decoding; the model is on {sorted(devices)}. On a GPU, load the "
             "model in float16 or bfloat16 instead."
         )
-    if not any(isinstance(module, Int8Linear) for module in base.modules()):
+    if not is_int8(base):
         base.register_state_dict_post_hook(_warn_float_state_dict)
+        encoder = base.get_encoder() if hasattr(base, "get_encoder") else base
+        # once per `generate` (and per forward from input ids): decoder steps, given the encoder's output, skip it
+        encoder.register_forward_pre_hook(functools.partial(_refresh_before_forward, weakref.ref(base)))
     quantize_linears_int8(base)
+    refresh_int8(base)  # an already quantized model whose float weights changed
     return model
+
+
+def _refresh_before_forward(base: weakref.ref[nn.Module], _module: nn.Module, _args: Any) -> None:
+    # a forward pre-hook on the encoder of an int8 base (held weakly: the hook lives inside the base)
+    model = base()
+    if model is not None:
+        refresh_int8(model)
+
+
+def is_int8(model: nn.Module) -> bool:
+    """Whether `model` holds an [`Int8Linear`] (was quantized by [`quantize_dynamic_int8`])."""
+    return any(isinstance(module, Int8Linear) for module in model.modules())
+
+
+def refresh_int8(model: nn.Module) -> bool:
+    """Makes each [`Int8Linear`] of `model` again whose float weight or bias changed since it was quantized.
+
+    [`quantize_dynamic_int8`] runs this before every encoder forward and the compiled engine before it is used; a
+    decoding loop of one's own that changes weights between decoder calls given `encoder_outputs` calls it itself.
+    It reads each layer's version counters and a sample of its weights (see [`TensorSnapshot`]): ~1-2 ms for a 43M
+    model. Not while `torch.compile` traces (a graph must not requantize).
+
+    Returns:
+        `bool`: whether any layer was made again.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    stale = [module for module in model.modules() if isinstance(module, Int8Linear) and module.is_stale()]
+    for module in stale:
+        module.requantize()
+    return bool(stale)
+
+
+def warn_if_int8_base(model: nn.Module, what: str) -> None:
+    """An [`Int8StateDictWarning`] when the base of `model`, a wrapper saving only its own weights, is int8: the
+    saved `what` load onto the float base named in their config."""
+    if is_int8(hf.unwrap_base(model)):
+        warnings.warn(
+            f"{type(model).__name__}.save_pretrained wrote the {what} only; they were used on an int8 base, which is "
+            "not saved with them: from_pretrained attaches them to the float base their config names. Call "
+            "quantize_dynamic_int8(model) after loading to decode with the same int8 base, bit for bit.",
+            Int8StateDictWarning,
+            stacklevel=3,
+        )
