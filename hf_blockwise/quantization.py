@@ -133,6 +133,7 @@ class Int8Linear(nn.Module):
         """Whether the float weight or bias changed since the int8 copy was made (see [`TensorSnapshot`])."""
         return not self.sources.matches([self.weight, self.bias])
 
+    @torch.inference_mode(False)  # normal tensors even when called under inference mode (the corpus job's)
     @torch.no_grad()
     def requantize(self) -> None:
         """Makes the int8 copy again from the float weight and bias as they are now. The buffers are written in

@@ -187,7 +187,7 @@ def test_bench_runs_drafters_at_other_block_sizes_and_thresholds(tmp_path, capsy
     assert all(row["identical_rate"] == 1.0 for row in rows.values())
     with pytest.raises(SystemExit):
         main(["bench", "--model", str(checkpoint), "--modes", "feature_x"])
-    assert "unknown mode 'feature_x'" in capsys.readouterr().err
+    assert "Unknown mode 'feature_x'; choose from" in capsys.readouterr().err
 
 
 def test_gad_sweep_times_every_setting_against_one_greedy_run(tmp_path, monkeypatch) -> None:
