@@ -93,8 +93,8 @@ def test_demo_runs_offline_on_a_saved_directory(tmp_path, capsys) -> None:
 EVERY_KIND_OF_MODE = (
     "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_top2", "seq_heads", "feature", "composite", "iad",
     "gad", "gad_pp", "loop", "oracle", "greedy_compiled", "feature_compiled", "hf_greedy_compiled", "greedy_int8",
-    "greedy_int8_compiled", "feature_int8_compiled", "ct2", "ct2_int8",
-)  # fmt: skip
+    "ct2", "ct2_int8",
+)  # fmt: skip  # the int8 engine's modes: tests/test_one_arithmetic.py and test_trees.py (engine), test_bench_modes.py
 
 
 def checkpoint_with_every_drafter(checkpoint: Path) -> None:
@@ -140,8 +140,8 @@ def test_bench_compares_every_mode_and_writes_reports(tmp_path, capsys) -> None:
     expected_at_one |= {"seq_heads", "feature", "composite"}
     # the compiled engine's modes, and transformers' own compiled greedy beside them
     expected_at_one |= {"greedy_compiled", "feature_compiled", "hf_greedy_compiled"}
-    # int8 greedy eager and compiled, and the feature drafter on the int8 copy (CTranslate2 is skipped: a BART)
-    expected_at_one |= {"greedy_int8", "greedy_int8_compiled", "feature_int8_compiled"}
+    # int8 greedy (CTranslate2 is skipped: a BART)
+    expected_at_one |= {"greedy_int8"}
     assert {mode for mode, batch in rows if batch == 1} == expected_at_one
     at_three = {mode for mode in expected_at_one if not mode.endswith("_compiled")} - {"prompt_lookup", "assisted"}
     assert {mode for mode, batch in rows if batch == 3} == at_three
