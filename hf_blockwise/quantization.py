@@ -265,7 +265,7 @@ def is_int8(model: nn.Module) -> bool:
     return any(isinstance(module, Int8Linear) for module in model.modules())
 
 
-def refresh_int8(model: nn.Module) -> bool:
+def refresh_int8(model: nn.Module, force: bool = False) -> bool:
     """Makes each [`Int8Linear`] of `model` again whose float weight or bias changed since it was quantized.
 
     [`quantize_dynamic_int8`] runs this before every encoder forward and the compiled engine before it is used; a
@@ -273,12 +273,16 @@ def refresh_int8(model: nn.Module) -> bool:
     It reads each layer's version counters and a sample of its weights (see [`TensorSnapshot`]): ~1-2 ms for a 43M
     model. Not while `torch.compile` traces (a graph must not requantize).
 
+    Args:
+        force (`bool`): make every layer again, changed or not: after a write through `.data` that touches fewer than
+            about one value in a thousand of each tensor it changes, which the sample may miss.
+
     Returns:
         `bool`: whether any layer was made again.
     """
     if torch.compiler.is_compiling():
         return False
-    stale = [module for module in model.modules() if isinstance(module, Int8Linear) and module.is_stale()]
+    stale = [module for module in model.modules() if isinstance(module, Int8Linear) and (force or module.is_stale())]
     for module in stale:
         module.requantize()
     return bool(stale)

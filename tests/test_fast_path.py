@@ -27,7 +27,7 @@ from hf_blockwise.drafters.base import DraftRequest
 from hf_blockwise.engine import CompileOptions, own_code
 from hf_blockwise.loading import LoadedModel
 from hf_blockwise.modeling.config import FeatureDrafterConfig
-from hf_blockwise.quantization import Int8Linear, Int8StateDictWarning, float_state_dict
+from hf_blockwise.quantization import Int8Linear, Int8StateDictWarning, float_state_dict, refresh_int8
 from hf_blockwise.tools.cli import main
 
 
@@ -153,6 +153,9 @@ def test_int8_copies_follow_every_change_of_their_float_weights() -> None:
         after = logits(int8)
         assert torch.equal(after, fresh), change.__name__
         assert not torch.equal(after, before), change.__name__
+    int8 = quantize_dynamic_int8(copy.deepcopy(float_model))
+    int8.get_decoder().layers[0].fc1.weight.data[0, 1] += 1.0  # one value the sample (0, 1021, ...) does not read
+    assert not refresh_int8(int8) and refresh_int8(int8, force=True)  # force: every layer made again
 
 
 def test_the_int8_engine_decodes_the_new_int8_weights_after_load_state_dict() -> None:
