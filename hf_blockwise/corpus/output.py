@@ -161,9 +161,10 @@ def check_output(output: Path, progress: OutputProgress, repair: bool) -> tuple[
 
 def first_bad_line(damage: Damage, decoded: Sequence[str]) -> int:
     """The first line (from 1) of a damaged chunk whose bytes differ from what the chunk decoded again holds."""
-    found = damage.found.decode("utf-8", errors="replace").splitlines(keepends=True)
+    pieces = damage.found.split(b"\n")  # lines as written: JSON strings may hold U+2028, which splitlines splits at
+    found = [piece + b"\n" for piece in pieces[:-1]] + ([pieces[-1]] if pieces[-1] else [])
     for offset, line in enumerate(decoded):
-        if offset >= len(found) or found[offset] != line:
+        if offset >= len(found) or found[offset] != line.encode("utf-8"):
             return damage.line + offset
     return damage.line
 
