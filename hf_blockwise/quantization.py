@@ -145,8 +145,12 @@ class Int8Linear(nn.Module):
                 f"the weight of this Int8Linear is now {tuple(self.weight.shape)}, not ({self.out_features}, "
                 f"{self.in_features}): quantize a model with its final shapes"
             )
-        self.weight_int8_t.copy_(weight_int8_t)
-        self.weight_scale.copy_(weight_scale)
+        for name, value in (("weight_int8_t", weight_int8_t), ("weight_scale", weight_scale)):
+            buffer = getattr(self, name)
+            if buffer.is_inference():  # made under inference mode: replaced (a new address tells the engine too)
+                setattr(self, name, value)
+            else:
+                buffer.copy_(value)
         self.bias_float = bias_float  # a view of the bias (or a float copy): never stale in place
         self.sources = TensorSnapshot([self.weight, self.bias])
 
