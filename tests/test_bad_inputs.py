@@ -8,6 +8,7 @@ import os
 import re
 import warnings
 
+import huggingface_hub
 import pytest
 import torch
 from conftest import build_model, load_recipe_module, random_batch
@@ -340,7 +341,8 @@ def test_a_name_neither_local_nor_on_the_hub_is_a_clear_error(tmp_path, monkeypa
         from_hub(unreachable, "org/opus-mt-en-dee", "--model / model")
     with pytest.raises(OSError, match="couldn't connect"):  # a folder that exists keeps transformers' own error
         from_hub(unreachable, tmp_path, "--model / model")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the adapters' own files, through the Python API, offline
+    # the adapters' own files, through the Python API, offline (the hub reads its environment at import: set its flag)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     for model_class in (BlockwiseHeadsModel, FeatureDrafterModel):
         with pytest.raises(ValueError, match=r"'org/heads-typo' is no local folder.*typo"):
             model_class.from_pretrained("org/heads-typo")

@@ -4,16 +4,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 
 from hf_blockwise.corpus.paths import check_tokenizer
-from hf_blockwise.loading import default_max_new_tokens
+from hf_blockwise.loading import PRETRAINED, default_max_new_tokens
 
 MAX_NEW_TOKENS_HELP = (
     "length limit of each output; default: the checkpoint's generation_config, as model.generate() without "
     "arguments (its max_new_tokens: 128 for the shipped model; printed at the start of the run)"
 )
+
+
+def check_shipped_model(parser: argparse.ArgumentParser, model: str, flag: str = "--model") -> None:
+    """A usage error when `model`, a default of the command, is a shipped model that is not here: the wheel carries
+    the library only, the models live in a checkout (`hf_blockwise/pretrained/`, with `pip install -e .`)."""
+    if os.path.normpath(os.path.dirname(model)) == os.path.normpath(PRETRAINED) and not os.path.isdir(model):
+        parser.error(
+            f"the shipped model {os.path.basename(model)} is not installed here: the shipped models live in a checkout "
+            f"of hf_blockwise (hf_blockwise/pretrained/, installed with `pip install -e .`), not in the wheel. Pass "
+            f"{flag} DIR (a checkout's hf_blockwise/pretrained/{os.path.basename(model)}, or your own model directory)"
+        )
 
 
 def positive_int(text: str) -> int:

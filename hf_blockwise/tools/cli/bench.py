@@ -33,7 +33,7 @@ from hf_blockwise.tools.bench import (
     set_speedup_ceilings,
     write_report,
 )
-from hf_blockwise.tools.cli.arguments import positive_int, require_tokenizer
+from hf_blockwise.tools.cli.arguments import check_shipped_model, positive_int, require_tokenizer
 from hf_blockwise.tools.cli.demo import DEMO_SENTENCES
 
 # `--model-config` runs: sources of this many random token ids, and these defaults
@@ -372,6 +372,8 @@ def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("--oracle-block-sizes must be >= 2")
     if args.tiny_model_config and not args.model_config:
         parser.error("--tiny-model-config needs --model-config")
+    if not args.model_config:
+        check_shipped_model(parser, args.model)
     if args.audio_folder and (args.source_file or args.reference_file):
         parser.error("--audio-folder brings its own sources and transcripts: no --source-file or --reference-file")
     if args.audio_folder and args.cost_curve:

@@ -25,7 +25,7 @@ from hf_blockwise.loading import (
     load_model,
 )
 from hf_blockwise.tools.bench import compile_modes, make_batches
-from hf_blockwise.tools.cli.arguments import limit_words, positive_int, require_tokenizer
+from hf_blockwise.tools.cli.arguments import check_shipped_model, limit_words, positive_int, require_tokenizer
 
 DEMO_SENTENCES = [
     "A man in a blue shirt is standing on a ladder.",
@@ -195,6 +195,7 @@ def run_demo_command(demo: argparse.ArgumentParser, args: argparse.Namespace) ->
         if args.sentences or args.int8 or args.drafter != "best":
             demo.error("--task asr takes no sentences, --int8 or --drafter (it drafts with the feature drafter)")
         model = args.model or SHIPPED_SPEECH_MODEL
+        check_shipped_model(demo, model)
         if not os.path.isdir(model):
             demo.error(
                 f"no speech model at {model}: pass --model DIR with a speech encoder-decoder, its processor and a "
@@ -212,6 +213,7 @@ def run_demo_command(demo: argparse.ArgumentParser, args: argparse.Namespace) ->
     if args.audio_folder:
         demo.error("--audio-folder needs --task asr")
     sentences = args.sentences or DEMO_SENTENCES
+    check_shipped_model(demo, args.model or REALISTIC_MODEL)
     return run_demo(
         args.model or REALISTIC_MODEL,
         sentences,

@@ -1,0 +1,56 @@
+"""The wheel is the library alone: small, without the shipped models, and it runs the demo on a shipped model given by
+path; without one, the demo says where the models are."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from hf_blockwise.loading import SHIPPED_MODEL
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_WHEEL_BYTES = 5 * 1024 * 1024
+
+
+def test_the_wheel_holds_the_library_alone_and_runs_the_demo_on_a_model_by_path(tmp_path) -> None:
+    source = tmp_path / "source"  # a copy: building writes build/ beside the sources
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    shutil.copytree(REPO / "hf_blockwise", source / "hf_blockwise", ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"),
+         str(source)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    (wheel,) = (tmp_path / "dist").glob("hf_blockwise-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert wheel.stat().st_size <= MAX_WHEEL_BYTES, wheel.stat().st_size
+    assert not [name for name in names if "/pretrained/" in name or name.endswith(".safetensors")]
+    assert "hf_blockwise/tools/cli/demo.py" in names
+    site = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    # the installed wheel first on the path, run from outside the checkout (its dependencies: this environment's)
+    environment = {**os.environ, "PYTHONPATH": str(site), "TOKENIZERS_PARALLELISM": "false"}
+
+    def run(*arguments: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, *arguments], env=environment, cwd=tmp_path, capture_output=True, text=True
+        )
+
+    where = run("-c", "import hf_blockwise; print(hf_blockwise.__file__)")
+    assert where.stdout.strip() == str(site / "hf_blockwise" / "__init__.py"), where.stderr
+    demo = ["-m", "hf_blockwise.tools.cli", "demo", "--repeats", "1", "--no-compile", "--max-new-tokens", "8"]
+    shipped = run(*demo, "--model", SHIPPED_MODEL, "A dog runs on the beach.")
+    assert shipped.returncode == 0 and "identical outputs: 1/1" in shipped.stdout, shipped.stderr[-2000:]
+    missing = run(*demo)
+    assert missing.returncode == 2, missing.stderr
+    assert "the shipped model marian-base-en-de is not installed here" in missing.stderr
+    assert "pip install -e ." in missing.stderr
