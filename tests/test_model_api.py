@@ -206,8 +206,7 @@ def test_streamer_receives_every_token_then_end(tiny_models, through: str) -> No
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"do_sample": True}, "reproduces greedy search.*'sample'"),
-        ({"num_beams": 3, "do_sample": True}, "reproduces greedy search and beam search.*'beam_sample'"),
+        ({"num_beams": 3, "do_sample": True}, "reproduces greedy search, sampling and beam search.*'beam_sample'"),
         (
             {"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 0.5},
             "num_beam_groups=2 selects 'group_beam_search'. Use num_beam_groups=1",

@@ -29,7 +29,7 @@ from hf_blockwise.boundary.beam import validate_beam_config
 from hf_blockwise.boundary.cache import check_cache_settings, loop_decoder_cache
 from hf_blockwise.boundary.inputs import check_decoder_length, warn_unmasked_padding
 from hf_blockwise.boundary.media import encoder_output_mask, validate_segment_options
-from hf_blockwise.boundary.models import encoder_input_name
+from hf_blockwise.boundary.models import encoder_input_name, model_name
 from hf_blockwise.boundary.processors import StopRules, split_stopping_criteria
 
 # generate() arguments whose meaning a blockwise loop cannot keep; each maps to the reason shown.
@@ -54,10 +54,11 @@ def validate_generation_config(generation_config: GenerationConfig) -> None:
     "the right output" is.
     """
     mode = generation_config.get_generation_mode()
-    if mode != GenerationMode.GREEDY_SEARCH:
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         given, neutral = _selecting_arguments(generation_config, mode)
         raise ValueError(
-            f"Blockwise decoding reproduces greedy search and beam search, but {given} selects {mode.value!r}. Use "
+            f"Blockwise decoding reproduces greedy search, sampling and beam search, but {given} selects "
+            f"{mode.value!r}. Use "
             f"{neutral}, or call the base model's generate without hf_blockwise."
         )
     validate_segment_options(generation_config)
@@ -163,6 +164,12 @@ def adapt_generate_call(
         validate_beam_config(generation_config)
     else:
         validate_generation_config(generation_config)
+    if generation_config.do_sample and encoder_input_name(model) != "input_ids":
+        raise ValueError(
+            f"do_sample=True: sampling through blockwise decoding covers text encoders; {model_name(model)} reads "
+            f"{encoder_input_name(model)} (Whisper's temperature fallback is not supported yet). Use "
+            "do_sample=False, or call the base model's generate without hf_blockwise."
+        )
     model_kwargs = decoder_prompt_kwargs(model_kwargs)
     rules = split_stopping_criteria(stopping_criteria, generation_config)
     if rules.others and rules.eos_token_ids is None and not beams:  # beam search calls the criteria themselves

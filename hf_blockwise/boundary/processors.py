@@ -17,12 +17,19 @@ import torch
 from transformers.generation import GenerationConfig
 from transformers.generation.logits_process import (
     ClassifierFreeGuidanceLogitsProcessor,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
     ForcedBOSTokenLogitsProcessor,
     ForcedEOSTokenLogitsProcessor,
     MinLengthLogitsProcessor,
+    MinPLogitsWarper,
     SequenceBiasLogitsProcessor,
     SuppressTokensAtBeginLogitsProcessor,
     SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
 )
 from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
@@ -30,6 +37,12 @@ from transformers.generation.stopping_criteria import (
     StoppingCriteria,
     StoppingCriteriaList,
 )
+
+# sampling's warpers: each reads a row's scores only (a division, a top-k or top-p cut, a cut by probability)
+_SCORE_ONLY_WARPERS = (
+    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
+    EpsilonLogitsWarper, EtaLogitsWarper,
+)  # fmt: skip
 
 
 @dataclass
@@ -67,10 +80,11 @@ def split_stopping_criteria(stopping_criteria: StoppingCriteriaList, generation_
 def processor_ignores_prefix(processor: Any) -> bool:
     """Whether a logits processor's output depends on the scores only (never on `input_ids` or its length).
 
-    Known from transformers' own processors: `suppress_tokens`, and sequence biases / `bad_words_ids` made of
+    Known from transformers' own processors: `suppress_tokens`, sampling's warpers (`temperature`, `top_k`,
+    `top_p`, `min_p`, `typical_p`, `epsilon_cutoff`, `eta_cutoff`), and sequence biases / `bad_words_ids` made of
     single tokens only (a constant bias). Any other processor is taken to depend on the prefix.
     """
-    if isinstance(processor, SuppressTokensLogitsProcessor):
+    if isinstance(processor, (SuppressTokensLogitsProcessor, *_SCORE_ONLY_WARPERS)):
         return True
     if isinstance(processor, SequenceBiasLogitsProcessor):  # NoBadWordsLogitsProcessor included
         return all(len(sequence) == 1 for sequence in processor.sequence_bias)

@@ -21,6 +21,7 @@ from hf_blockwise.engine import CompiledDecoder, CompileOptions, compiled_decode
 from hf_blockwise.generation.acceptance import AcceptanceRule, ExactAcceptance, check_rule_fits
 from hf_blockwise.generation.beam import BeamSetup, beam_search, initial_beam_state
 from hf_blockwise.generation.capability import check_decoder, check_tree_decoder, check_verification_width
+from hf_blockwise.generation.sampling import call_seed
 from hf_blockwise.generation.state import DecodingSetup, DecodingState, DecodingStats
 from hf_blockwise.generation.step import decode_step
 
@@ -254,6 +255,8 @@ def blockwise_generate(
     feed_limit = block_size if drafter.tree_nodes is None else block_size + drafter.tree_nodes
     call, engine = with_engine(model, call, feed_limit, blockwise_compile)
     setup = decoding_setup(model, call, drafter, rule, logits_processor, block_size, engine)
+    if generation_config.do_sample:  # sampling: greedy search on scores perturbed by the call's shared noise
+        setup = dataclasses.replace(setup, sampling_seed=call_seed())
     probe_engine(engine, call, feed_limit, drafter.tree_nodes is not None)
     compiled_before = 0 if engine is None else engine.compiled_calls
     state = initial_state(call, setup)

@@ -79,6 +79,8 @@ class DecodingSetup:
             tokens, the pad id after which a row's feed must end (greedy search feeds a pad alone); else `None`.
         batch_size (`int`): rows of the caller's batch (rows leave the state as they finish).
         streamer: transformers streamer fed with row 0's new tokens, if any.
+        sampling_seed (`int`, *optional*): with `do_sample=True`, the seed of the call's shared Gumbel noise
+            ([`sampling.perturbed_scores`]): the scores every decision reads are perturbed by it; `None`: greedy.
         engine ([`CompiledDecoder`], *optional*): the compiled verification forward (`blockwise_compile=`); `None`
             runs transformers' forward eagerly.
         position_limit (`int`, *optional*): positions the decoder has (a learned table ends), `None` when unbounded:
@@ -97,6 +99,7 @@ class DecodingSetup:
     streamer: Any = None
     engine: CompiledDecoder | None = None
     position_limit: int | None = None
+    sampling_seed: int | None = None
 
 
 @dataclass(frozen=True)

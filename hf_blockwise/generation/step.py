@@ -27,6 +27,7 @@ import torch
 from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.base import DraftRequest, Drafts, VerifiedStates
 from hf_blockwise.generation.acceptance import ExactAcceptance, accepted_lengths
+from hf_blockwise.generation.sampling import perturbed_scores
 from hf_blockwise.generation.state import DecodingSetup, DecodingState, StepFeed, Verdict
 from hf_blockwise.generation.tree import build_tree_feed, tree_scores, tree_step_allowed, verify_tree
 
@@ -420,6 +421,8 @@ def chain_step(state: DecodingState, setup: DecodingSetup, request: DraftRequest
     logits, states = run_decoder(state, setup, feed.tokens)  # (b, W, V), (b, W, d) or None
     columns = decision_columns(state, feed)  # (b, N)
     scores = decision_scores(state, setup, feed, logits.float(), columns)  # (b, N, V)
+    if setup.sampling_seed is not None:  # decision at column c decides position cache_length + c + 1
+        scores = perturbed_scores(scores, setup.sampling_seed, state.rows, state.cache_length + columns + 1)
     new_tokens, num_accepted = verify(scores, feed, setup, columns)
     return conclude(state, setup, request, feed, new_tokens, num_accepted, states)
 
@@ -430,6 +433,8 @@ def tree_step(state: DecodingState, setup: DecodingSetup, request: DraftRequest,
     feed, tree, parent_column = build_tree_feed(state, setup, drafts, request.max_drafts)
     logits, states = run_decoder(state, setup, feed.tokens, tree)  # (b, W, V), (b, W, d) or None
     scores = tree_scores(setup, logits.float())  # (b, W, V)
+    if setup.sampling_seed is not None:  # a node at depth d decides position cache_length + d + 1, on any branch
+        scores = perturbed_scores(scores, setup.sampling_seed, state.rows, state.cache_length + tree.depth + 1)
     new_tokens, num_accepted, path = verify_tree(scores, feed, tree, parent_column, setup)
     hf.compact_cache(state.cache, state.cache_length, path)
     if states is not None:

@@ -1,0 +1,78 @@
+"""Sampling as greedy search on perturbed scores: exact in distribution, and the same tokens with or without drafts.
+
+The Gumbel-max trick: `argmax(scores + g)`, with `g` independent standard Gumbel noise per token, is a sample of
+`softmax(scores)` (the scores' normalization is a constant per row, which the argmax ignores). Here the noise of a
+row at a position is a fixed function of the call's seed, the row's index in the caller's batch, the position and
+the token ([`shared_gumbel_noise`], a counter-based hash: no random state is consumed as decoding goes). So a
+verification call that scores k positions perturbs each as a one-token call at that position would, and the loop's
+exact acceptance (a draft is kept where it is the argmax) keeps exactly the tokens sampling one at a time would
+draw: the output with drafts is the output without them, token for token, and each token is drawn from the warped
+distribution `generate` builds from the generation config (`temperature`, `top_k`, `top_p`, `min_p`, ...).
+
+This stream is not transformers' `torch.multinomial` stream: the same distribution, other tokens than
+transformers' own sampling for the same `torch.manual_seed`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# splitmix64's constants, as signed 64-bit integers (torch has no uint64 arithmetic on CPU): products wrap
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX_1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX_2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shift_right(value: torch.Tensor, bits: int) -> torch.Tensor:
+    """A logical right shift of int64 values (torch's `>>` is arithmetic: it copies the sign bit)."""
+    return (value >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(value: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer: a bijection of 64-bit integers whose outputs look independent for nearby inputs."""
+    value = value + _GOLDEN
+    value = (value ^ _shift_right(value, 30)) * _MIX_1
+    value = (value ^ _shift_right(value, 27)) * _MIX_2
+    return value ^ _shift_right(value, 31)
+
+
+def shared_gumbel_noise(seed: int, rows: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Standard Gumbel noise that depends on (seed, row, position, token) only.
+
+    Args:
+        seed (`int`): the call's seed.
+        rows (`torch.LongTensor` of shape `(b,)`): each row's index in the caller's batch.
+        positions (`torch.LongTensor` of shape `(b, n)`): the position of the token each score vector decides
+            (the length of its prefix, decoder start included).
+        vocab_size (`int`).
+
+    Returns:
+        `torch.FloatTensor` of shape `(b, n, vocab_size)`.
+    """
+    device = positions.device
+    row_keys = _mix(torch.full_like(rows, seed, device=device) ^ _mix(rows.to(device)))  # (b,)
+    position_keys = _mix(row_keys[:, None] ^ _mix(positions))  # (b, n)
+    tokens = torch.arange(vocab_size, device=device)
+    bits = _shift_right(_mix(position_keys[..., None] ^ tokens), 11)  # (b, n, V): 53 random bits
+    uniform = (bits.double() + 0.5) * 2.0**-53  # in (0, 1)
+    return (-torch.log(-torch.log(uniform))).float()
+
+
+def perturbed_scores(scores: torch.Tensor, seed: int, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`scores` (processed and warped) plus the shared Gumbel noise of their rows and positions: their argmax is a
+    sample of `softmax(scores)`, the same wherever the position is scored.
+
+    Args:
+        scores (`torch.FloatTensor` of shape `(b, n, vocab_size)`).
+        rows (`torch.LongTensor` of shape `(b,)`), positions (`torch.LongTensor` of shape `(b, n)`): as for
+            [`shared_gumbel_noise`].
+
+    Returns:
+        `torch.FloatTensor` of shape `(b, n, vocab_size)` (`-inf` where the warpers removed a token).
+    """
+    return scores.float() + shared_gumbel_noise(seed, rows, positions, scores.shape[-1])
+
+
+def call_seed(generator: torch.Generator | None = None) -> int:
+    """A call's seed, drawn from torch's random state (`torch.manual_seed` before `generate` makes it reproducible)."""
+    return int(torch.randint(0, 2**62, (1,), generator=generator))
