@@ -262,6 +262,9 @@ def test_cli_usage_errors_name_the_argument_and_the_fix(tmp_path, model_dir, cap
     status, _, err = run_cli(capsys, *generate_arguments(model_dir, source, tmp_path / "o.txt"), "--generate-kwargs",
                              '{"assistant": 1}')  # fmt: skip
     assert status == 1 and "which the corpus job sets itself" in err
+    status, _, err = run_cli(capsys, *generate_arguments(model_dir, source, tmp_path / "o.txt"), "--generate-kwargs",
+                             '{"do_sample": true}')  # fmt: skip
+    assert status == 1 and "do_sample=True: the corpus job decodes greedy or beam search" in err
 
     (tmp_path / "a-file").write_text("")
     status, _, err = run_cli(capsys, *generate_arguments(model_dir, source, tmp_path / "a-file" / "out.txt"))

@@ -453,6 +453,12 @@ def make_job(
     """A job over loaded models (moved to this process's device) for `texts`, written to `output` (or, under
     `accelerate launch` with several processes, to this process's shard of it)."""
     options = options.checked(output)
+    if options.generate_kwargs.get("do_sample", loaded.base.generation_config.do_sample):
+        raise ValueError(
+            "do_sample=True: the corpus job decodes greedy or beam search, so that a resumed or repaired run writes "
+            "what an uninterrupted one writes (sampling draws its seed per call); pass --generate-kwargs "
+            '\'{"do_sample": false}\' / generate_kwargs={"do_sample": False} for a checkpoint that samples'
+        )
     state = PartialState()
     loaded.to(state.device)
     chosen = choose_drafter(options.drafter, loaded, options.batch_size)
