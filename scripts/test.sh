@@ -8,4 +8,6 @@ python3 -m pip install -q -e ".[dev,ctranslate2]"
 python3 -m ruff check .
 python3 -m ruff format --check .
 lint-imports  # the import graph has no cycles ([tool.importlinter] in pyproject.toml)
+# inductor compiles in the test process itself: no pool of compile workers per xdist worker on a 2-core machine
+export TORCHINDUCTOR_COMPILE_THREADS=1
 python3 -m pytest -q -p no:cacheprovider -n 2 --dist worksteal  # two workers (one torch thread each, conftest); an idle one takes queued tests

@@ -151,9 +151,11 @@ def decoding_setup(
     logits_processor: LogitsProcessorList,
     block_size: int,
     engine: CompiledDecoder | None,
+    sample: bool = False,
 ) -> DecodingSetup:
     """What stays fixed during the call, once the model is known to verify `block_size` tokens per pass exactly
-    (checked here when `block_size > 1`; an [`UnsupportedModelError`] otherwise)."""
+    (checked here when `block_size > 1`; an [`UnsupportedModelError`] otherwise). With `sample` (`do_sample=True`)
+    the call's seed is drawn: decisions are greedy on scores perturbed by its shared noise (`sampling.py`)."""
     capability = None
     if block_size > 1:
         check_verification_width(model, block_size)
@@ -173,6 +175,7 @@ def decoding_setup(
         streamer=call.streamer,
         engine=engine,
         position_limit=hf.decoder_position_limit(model),
+        sampling_seed=call_seed() if sample else None,
     )
 
 
@@ -254,9 +257,8 @@ def blockwise_generate(
     # a row feeds its pending tokens (at most k) and its drafts: a chain's k - 1 or a tree's nodes
     feed_limit = block_size if drafter.tree_nodes is None else block_size + drafter.tree_nodes
     call, engine = with_engine(model, call, feed_limit, blockwise_compile)
-    setup = decoding_setup(model, call, drafter, rule, logits_processor, block_size, engine)
-    if generation_config.do_sample:  # sampling: greedy search on scores perturbed by the call's shared noise
-        setup = dataclasses.replace(setup, sampling_seed=call_seed())
+    sample = generation_config.do_sample
+    setup = decoding_setup(model, call, drafter, rule, logits_processor, block_size, engine, sample)
     probe_engine(engine, call, feed_limit, drafter.tree_nodes is not None)
     compiled_before = 0 if engine is None else engine.compiled_calls
     state = initial_state(call, setup)
