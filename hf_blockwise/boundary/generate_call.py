@@ -49,9 +49,9 @@ def is_beam_search(generation_config: GenerationConfig) -> bool:
 def validate_generation_config(generation_config: GenerationConfig) -> None:
     """Raises a `ValueError` naming the first `generate` argument that blockwise decoding cannot honour.
 
-    Blockwise decoding reproduces *greedy* search (and beam search, [`validate_beam_config`]); every other mode
-    (sampling, group beam search, contrastive search, DoLa, transformers' own assisted generation) changes what
-    "the right output" is.
+    Blockwise decoding reproduces *greedy* search, sampling as greedy search on shared noise
+    (`generation/sampling.py`), and beam search ([`validate_beam_config`]); every other mode (beam sampling, group
+    beam search, contrastive search, DoLa, transformers' own assisted generation) changes what "the right output" is.
     """
     mode = generation_config.get_generation_mode()
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
