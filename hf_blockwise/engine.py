@@ -573,10 +573,10 @@ def compiled_block(
 def _kept(owner: nn.Module, key: str, options: CompileOptions, build: Callable[[], Any]) -> Any:
     """The compiled object kept for `owner` under `key`, (re)built by `build` when missing, compiled with other
     options or holding stale weights."""
-    refresh_int8(owner)  # int8 copies made again from changed float weights first: the snapshot then sees them change
     entries = _COMPILED.setdefault(owner, {})
     engine = entries.get(key)
     if engine is not None and engine.options == options:
+        # the snapshot covers the float weights too, taken after their int8 copies were made: no change, none stale
         if engine.weights.matches(owner):
             return engine
         warnings.warn(
@@ -587,6 +587,7 @@ def _kept(owner: nn.Module, key: str, options: CompileOptions, build: Callable[[
     if engine is not None:  # its graphs are reachable through it only (its own code object): dropping it drops them
         engine.close()
         del entries[key]
+    refresh_int8(owner)  # int8 copies made again from changed float weights before the graph freezes them
     try:
         replacement = build()
     except CompileUnavailableError as error:

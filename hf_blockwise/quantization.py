@@ -224,7 +224,7 @@ def quantize_dynamic_int8(model: nn.Module) -> nn.Module:
 
     Whenever the float weights change afterwards (in place, through `.data`, by `copy_`, `load_state_dict` or an
     optimizer step), the int8 copies are made again before the next `generate` or forward from input ids (a hook on
-    the encoder, [`refresh_int8`]) and before the compiled engine is used. A backward pass is refused: train the
+    the encoder, [`refresh_int8`]) and before the compiled engine is built again. A backward pass is refused: train the
     float model, then quantize it.
 
     Raises:
@@ -272,7 +272,7 @@ def is_int8(model: nn.Module) -> bool:
 def refresh_int8(model: nn.Module, force: bool = False) -> bool:
     """Makes each [`Int8Linear`] of `model` again whose float weight or bias changed since it was quantized.
 
-    [`quantize_dynamic_int8`] runs this before every encoder forward and the compiled engine before it is used; a
+    [`quantize_dynamic_int8`] runs this before every encoder forward and the compiled engine before it builds; a
     decoding loop of one's own that changes weights between decoder calls given `encoder_outputs` calls it itself.
     It reads each layer's version counters and a sample of its weights (see [`TensorSnapshot`]): ~1-2 ms for a 43M
     model. Not while `torch.compile` traces (a graph must not requantize).
