@@ -159,7 +159,7 @@ def check_compile_available(device: torch.device, options: CompileOptions) -> No
         raise CompileUnavailableError("inductor needs a C++ compiler on CPU (g++, c++ or clang++), and none is on PATH")
 
 
-class WeightsSnapshot(TensorSnapshot):
+class WeightsSnapshot:
     """What a compiled graph's frozen weights were, to tell when the model's own have changed since: a
     [`TensorSnapshot`] of every parameter and buffer (int8 layers' copies included, which
     [`hf_blockwise.quantization.refresh_int8`] rewrites in place when their float weights change). A write through
@@ -172,15 +172,15 @@ class WeightsSnapshot(TensorSnapshot):
     """
 
     def __init__(self, model: nn.Module) -> None:
-        super().__init__(self._tensors(model))
+        self.tensors = TensorSnapshot(self._tensors(model))
 
     @staticmethod
     def _tensors(model: nn.Module) -> list[torch.Tensor]:
         return [*model.parameters(), *model.buffers()]
 
-    def matches(self, model: nn.Module) -> bool:  # type: ignore[override]
+    def matches(self, model: nn.Module) -> bool:
         """Whether `model`'s weights are still those of the snapshot (same tensors, versions and sampled values)."""
-        return super().matches(self._tensors(model))
+        return self.tensors.matches(self._tensors(model))
 
 
 def own_code(function: Callable) -> types.FunctionType:
