@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import gzip
+import io
 import os
-from typing import TextIO
+from typing import BinaryIO, TextIO
+
+
+def _open_bytes(path: str | os.PathLike) -> BinaryIO:
+    """`path` opened for reading bytes, through gzip when its name ends in `.gz`: the one place that decides."""
+    return gzip.open(path, "rb") if os.fspath(path).endswith(".gz") else open(path, "rb")
 
 
 def open_text(path: str | os.PathLike) -> TextIO:
-    """`path` opened for reading as UTF-8 text, through gzip when its name ends in `.gz`."""
-    if os.fspath(path).endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+    """`path` opened for reading as UTF-8 text (a stream, for files too large to read at once)."""
+    return io.TextIOWrapper(_open_bytes(path), encoding="utf-8")
 
 
 def read_text(path: str | os.PathLike) -> str:
@@ -21,8 +25,7 @@ def read_text(path: str | os.PathLike) -> str:
         `ValueError` for bytes that are not UTF-8, naming the file, the line and the byte, and saying whether the
         file looks binary or written in another encoding (with the `iconv` command that converts it).
     """
-    opener = gzip.open if os.fspath(path).endswith(".gz") else open
-    with opener(path, "rb") as handle:
+    with _open_bytes(path) as handle:
         data = handle.read()
     try:
         return data.decode("utf-8")
