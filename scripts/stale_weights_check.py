@@ -4,7 +4,7 @@
 
 Loads the shipped `marian-base-en-de`, compiles its engine, and times (medians) the check each compiled `generate`
 call makes ([`WeightsSnapshot.matches`]) beside one compiled decoder call of one token and one compiled greedy
-`generate` call of a caption, batch 1.
+`generate` call of a caption, batch 1; then, on the model quantized to int8, the int8 copies' check (`refresh_int8`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from transformers.utils import logging
 from hf_blockwise import blockwise_generate
 from hf_blockwise.engine import WeightsSnapshot
 from hf_blockwise.loading import REALISTIC_MODEL, load_model
+from hf_blockwise.quantization import quantize_dynamic_int8, refresh_int8
 from hf_blockwise.training.arguments import parse_dataclass_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -62,13 +63,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     )  # fmt: skip
     snapshot = WeightsSnapshot(base)
     check = median_ms(lambda: snapshot.matches(base), args.repeats)
-    sampled = sum(reference.numel() for reference in snapshot.reference.values())
+    sampled = sum(reference.numel() for reference in snapshot.tensors.reference.values())
     print(f"{args.model}: {sum(p.numel() for p in base.parameters()) / 1e6:.1f}M parameters, {sampled} values sampled")
     print(
         f"stale-weight check (once per generate call) {check:.3f} ms; one compiled decoder call {call:.2f} ms "
         f"({check / call:.1%}); one compiled greedy generate call of a caption {sentence:.1f} ms "
         f"({check / sentence:.2%})"
     )
+    quantize_dynamic_int8(base)  # the int8 copies' own check, run before every encoder forward of an int8 model
+    refresh = median_ms(lambda: refresh_int8(base), args.repeats)
+    print(f"int8 copies' check (refresh_int8, once per generate call of the int8 model) {refresh:.3f} ms")
 
 
 if __name__ == "__main__":
