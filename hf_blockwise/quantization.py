@@ -228,8 +228,8 @@ def quantize_dynamic_int8(model: nn.Module) -> nn.Module:
     float model, then quantize it.
 
     Raises:
-        `TypeError` for a lone `nn.Linear` (wrap it as `Int8Linear(layer)`), `ValueError` for a model without
-        linear layers or one whose weights are not loaded or not on the CPU.
+        TypeError: for a lone `nn.Linear` (wrap it as `Int8Linear(layer)`).
+        ValueError: for a model without linear layers or one whose weights are not loaded or not on the CPU.
     """
     hf.check_model_argument("quantize_dynamic_int8(model)", model)
     if isinstance(model, nn.Linear | Int8Linear):

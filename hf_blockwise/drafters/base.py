@@ -62,7 +62,7 @@ class DraftRequest:
             the decoder state, at the output projection, that predicted each row's last token; `None` before
             the first forward pass.
         encoder_input_ids (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*): the source.
-        encoder_attention_mask (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*).
+        encoder_attention_mask (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*): its mask.
         drafter_state (*optional*): what the drafter's [`Drafter.prepare`] returned for this `generate` call.
         verified_states ([`VerifiedStates`], *optional*): every state of the last verification pass, for drafters
             with `reads_decoder_states`; `None` before the first forward pass.
@@ -147,8 +147,8 @@ class Drafter(ABC):
         default needs nothing and returns `None`.
 
         Args:
-            encoder_input_ids (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*).
-            encoder_attention_mask (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*).
+            encoder_input_ids (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*): the source.
+            encoder_attention_mask (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*): its mask.
         """
         return None
 

@@ -26,7 +26,8 @@ class Comparison:
     """Greedy vs blockwise decoding of the same sentences.
 
     Attributes:
-        num_sentences (`int`), batch_size (`int`).
+        num_sentences (`int`): sentences compared.
+        batch_size (`int`): rows per batch.
         greedy_seconds (`float`), blockwise_seconds (`float`): summed wall-clock time over all batches.
         speedup (`float`): `greedy_seconds / blockwise_seconds`.
         median_batch_speedup (`float`): median over batches of the same ratio.

@@ -51,7 +51,7 @@ def accepted_lengths(match: torch.Tensor) -> torch.Tensor:
     """Length of the all-accepted prefix of each row.
 
     Args:
-        match (`torch.BoolTensor` of shape `(batch_size, num_drafts)`).
+        match (`torch.BoolTensor` of shape `(batch_size, num_drafts)`): whether each draft was accepted.
 
     Returns:
         `torch.LongTensor` of shape `(batch_size,)`.

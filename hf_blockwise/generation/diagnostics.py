@@ -55,7 +55,7 @@ def first_divergence(
         input_ids (`torch.LongTensor` of shape `(batch_size, source_length)`): the source.
         reference (`torch.LongTensor` of shape `(batch_size, length_a)`): e.g. greedy `generate` output.
         candidate (`torch.LongTensor` of shape `(batch_size, length_b)`): e.g. blockwise output.
-        attention_mask (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*).
+        attention_mask (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*): the source's mask.
         pad_token_id (`int`): fills the shorter output before comparing.
 
     Returns:

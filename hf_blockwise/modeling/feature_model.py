@@ -314,6 +314,7 @@ class FeatureDrafterModel(AdapterModelMixin, BaseModelWrapper):
         """Loads into this model, checked, the drafter weights [`save_pretrained`] wrote.
 
         Raises:
-            `ValueError` naming the file when it is corrupt, or holds missing, unexpected or misshaped tensors.
+            ValueError: when the file is corrupt, or holds missing, unexpected or misshaped tensors (the message
+                names it).
         """
         load_adapter_weights(resolve_file(drafter_name_or_path, FEATURE_DRAFTER_WEIGHTS_NAME), self.layer, "Drafter")

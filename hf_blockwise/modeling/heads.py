@@ -112,7 +112,7 @@ class SequentialHeads(nn.Module):
         """Head `index`'s state.
 
         Args:
-            states (`torch.Tensor` of shape `(..., hidden_size)`).
+            states (`torch.Tensor` of shape `(..., hidden_size)`): the base decoder's states.
             token_embeddings (`torch.Tensor` of shape `(..., index + 1, token_embedding_size)`): t_0..t_index.
 
         Returns:
@@ -127,8 +127,8 @@ class SequentialHeads(nn.Module):
         """All heads at once, teacher-forced: head i reads the given embeddings of t_0..t_i.
 
         Args:
-            states (`torch.Tensor` of shape `(..., hidden_size)`).
-            token_embeddings (`torch.Tensor` of shape `(..., num_heads, token_embedding_size)`).
+            states (`torch.Tensor` of shape `(..., hidden_size)`): the base decoder's states.
+            token_embeddings (`torch.Tensor` of shape `(..., num_heads, token_embedding_size)`): t_0..t_(num_heads-1).
 
         Returns:
             `torch.Tensor` of shape `(..., num_heads, hidden_size)`.

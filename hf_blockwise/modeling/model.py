@@ -46,9 +46,9 @@ class BlockwiseHeadsOutput(ModelOutput):
         head_losses (`torch.FloatTensor` of shape `(num_heads,)`, *optional*): cross-entropy of each head.
         head_accuracies (`torch.FloatTensor` of shape `(num_heads,)`, *optional*): top-1 accuracy of each head.
         logits (`torch.FloatTensor` of shape `(batch_size, target_length, vocab_size)`): the base model's p1.
-        head_logits (`torch.FloatTensor` of shape `(batch_size, target_length, num_heads, vocab_size)`,
-            *optional*): head i at position t predicts the target token at position t + i + 1. Computed only
-            without `labels`: with them, each head is projected at its labelled positions only.
+        head_logits (`torch.FloatTensor` of shape `(batch_size, target_length, num_heads, vocab_size)`, *optional*):
+            head i at position t predicts the target token at position t + i + 1. Computed only without `labels`:
+            with them, each head is projected at its labelled positions only.
     """
 
     loss: torch.Tensor | None = None
@@ -151,7 +151,7 @@ class BlockwiseHeadsModel(AdapterModelMixin, BaseModelWrapper):
         chosen from that state (`None` for heads that read the state only).
 
         Args:
-            token_ids (`torch.LongTensor` of shape `(...)`).
+            token_ids (`torch.LongTensor` of shape `(...)`): the chosen tokens.
 
         Returns:
             `torch.Tensor` of shape `(..., embedding_size)`, or `None`.
@@ -198,7 +198,7 @@ class BlockwiseHeadsModel(AdapterModelMixin, BaseModelWrapper):
         """Teacher-forced pass of base and heads; with `labels`, the heads' cross-entropy (Stern §6).
 
         Args:
-            input_ids (`torch.LongTensor` of shape `(batch_size, source_length)`).
+            input_ids (`torch.LongTensor` of shape `(batch_size, source_length)`): the source.
             labels (`torch.LongTensor` of shape `(batch_size, target_length)`): -100 marks ignored positions.
         """
         with hf.capture_output_projection_input(self.base_model) as captured:
@@ -290,7 +290,8 @@ class BlockwiseHeadsModel(AdapterModelMixin, BaseModelWrapper):
         when the base is a PEFT model (as during LoRA training); with `include_base`, the base saved beside them.
 
         Raises:
-            `ValueError` naming the file when one is corrupt, or holds missing, unexpected or misshaped tensors.
+            ValueError: when a file is corrupt, or holds missing, unexpected or misshaped tensors (the message
+                names the file).
         """
         load_adapter_weights(resolve_file(heads_name_or_path, WEIGHTS_NAME), self.heads, "Head")
         if _is_peft_model(self.base_model):

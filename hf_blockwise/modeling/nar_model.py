@@ -179,8 +179,8 @@ class NARDrafterModel(nn.Module):
         relative to its verifier, the stored weights over the `verifier`'s.
 
         Raises:
-            `ValueError` naming the file when it is corrupt, or lacks weights neither it nor the verifier provides
-            (the wrong verifier), holds unexpected ones or ones of other shapes.
+            ValueError: when the file is corrupt, or lacks weights neither it nor the verifier provides (the wrong
+                verifier), holds unexpected ones or ones of other shapes (the message names the file).
         """
         if not hf.has_file(name_or_path, CHANGED_WEIGHTS_NAME):
             self.model.load_state_dict(AutoModelForSeq2SeqLM.from_pretrained(name_or_path).state_dict())

@@ -81,7 +81,7 @@ class NARDrafterTrainer(AdapterCheckpointMixin, StepMetricsTrainer):
 
     Args:
         drafter ([`NARDrafterModel`]): its model is trained in place.
-        args ([`NARDrafterTrainingArguments`]).
+        args ([`NARDrafterTrainingArguments`]): the training arguments.
         verifier (`nn.Module`, *optional*): the model the drafts are for, used by `evaluate` only.
     """
 
