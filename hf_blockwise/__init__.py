@@ -26,6 +26,7 @@ _SOURCES = {
     "DistanceAcceptance": "hf_blockwise.generation.acceptance",
     "Divergence": "hf_blockwise.generation.diagnostics",
     "DraftRequest": "hf_blockwise.drafters.base",
+    "DraftNoise": "hf_blockwise.drafters.base",
     "Drafter": "hf_blockwise.drafters.base",
     "Drafts": "hf_blockwise.drafters.base",
     "ExactAcceptance": "hf_blockwise.generation.acceptance",
@@ -58,7 +59,7 @@ _SOURCES = {
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from hf_blockwise.corpus import CorpusReport, generate_corpus
-    from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts, NoDrafter, VerifiedStates
+    from hf_blockwise.drafters.base import Drafter, DraftNoise, DraftRequest, Drafts, NoDrafter, VerifiedStates
     from hf_blockwise.drafters.composite import CompositeDrafter
     from hf_blockwise.drafters.feature import FeatureDrafter
     from hf_blockwise.drafters.heads import HeadsDrafter
@@ -119,6 +120,7 @@ __all__ = [
     "DecodingStats",
     "DistanceAcceptance",
     "Divergence",
+    "DraftNoise",
     "DraftRequest",
     "Drafter",
     "Drafts",

@@ -20,7 +20,16 @@ from transformers import (
     TypicalLogitsWarper,
 )
 
-from hf_blockwise import blockwise_generate
+from hf_blockwise import (
+    BlockwiseHeadsConfig,
+    BlockwiseHeadsModel,
+    Drafter,
+    DraftRequest,
+    Drafts,
+    FeatureDrafterConfig,
+    FeatureDrafterModel,
+    blockwise_generate,
+)
 from hf_blockwise.engine import CompileOptions
 from hf_blockwise.generation import step as step_module
 from hf_blockwise.generation.sampling import call_seed, perturbed_scores
@@ -90,6 +99,67 @@ def test_sampled_trees_and_the_engine_give_the_undrafted_tokens(tiny_models) -> 
         compiled = _sampled(base, batch, seed, assistant=drafter, blockwise_compile=CompileOptions(backend="eager"),
                             **kwargs)  # fmt: skip
         assert torch.equal(compiled, sampled)
+
+
+class SelfDrafter(Drafter):
+    """Drafts with the model itself, one token at a time over the whole prefix (no cache), each token chosen as
+    `DraftRequest.sampling` says (the call's noise at the draft's position): what sampling draws, so every draft is
+    kept. `shift` moves the positions it reads the noise at (a wrong contract, whose drafts are mostly refused)."""
+
+    def __init__(self, base, block_size: int, encoder_batch: dict, shift: int = 0) -> None:
+        self.base, self.block_size, self.encoder_batch, self.shift = base, block_size, encoder_batch, shift
+        self.tree_nodes = None
+
+    @torch.no_grad()
+    def get_candidates(self, request: DraftRequest) -> Drafts:
+        assert request.sampling is not None and request.rows is not None
+        rows, lengths = request.rows, request.lengths
+        prefix = request.sequences[:, : int(lengths.max())]
+        drafts = []
+        for index in range(self.block_size - 1):
+            fed = torch.cat([prefix, *[draft[:, None] for draft in drafts]], dim=1)
+            at = (lengths - 1 + index)[:, None, None].expand(-1, 1, self.base.config.vocab_size)
+            logits = self.base(
+                input_ids=self.encoder_batch["input_ids"][rows],
+                attention_mask=self.encoder_batch["attention_mask"][rows],
+                decoder_input_ids=self._placed(fed, lengths, index),
+            ).logits.gather(1, at)[:, 0]  # (b, V): the logits that decide position lengths + index
+            drafts.append(request.sampling.choose(logits, lengths + index + self.shift, None)[:, 0])
+        tokens = torch.stack(drafts, dim=1)
+        return Drafts(tokens=tokens, lengths=torch.full_like(lengths, self.block_size - 1))
+
+    @staticmethod
+    def _placed(fed: torch.Tensor, lengths: torch.Tensor, index: int) -> torch.Tensor:
+        """Each row's verified tokens, then its drafts so far right after them (rows are right-padded)."""
+        placed = fed.clone()
+        width = fed.shape[1] - index
+        for row, length in enumerate(lengths.tolist()):
+            placed[row, length : length + index] = fed[row, width:]
+        return placed
+
+
+def test_drafters_draft_what_sampling_draws_on_the_calls_noise(tiny_models) -> None:
+    """A drafter that drafts from the model's own distribution on `DraftRequest.sampling` (temperature and noise
+    at each draft's position) proposes exactly what sampling draws: every draft is kept, so each row takes 4 tokens a
+    call, at batch 1 and 3; the same drafter reading the noise one position off is mostly refused (at least twice
+    the calls). Heads and the feature drafter draft on the noise too, and give the undrafted tokens."""
+    base = tiny_models["marian"]
+    kwargs = {"max_new_tokens": 12, "temperature": 0.9}
+    for batch_size, seed in ((1, 5), (3, 6)):
+        batch = random_batch(base, batch_size, seed=seed)
+        sampled = _sampled(base, batch, seed, **kwargs)
+        calls = {}
+        for shift in (0, 1):
+            drafter = SelfDrafter(base, 4, batch, shift)
+            output = _sampled(base, batch, seed, assistant=drafter, return_dict_in_generate=True, **kwargs)
+            assert torch.equal(output.sequences, sampled), shift
+            calls[shift] = output.decoding_stats.num_forwards
+            longest = int(output.decoding_stats.accepted.sum(dim=0).max())  # (steps, rows): the longest row's tokens
+        assert calls[0] == -(-longest // 4) and calls[1] >= 2 * calls[0], (calls, longest)
+        heads = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3)).drafter()
+        feature = FeatureDrafterModel(base, FeatureDrafterConfig(block_size=3)).drafter()
+        for drafter in (heads, feature):
+            assert torch.equal(_sampled(base, batch, seed, assistant=drafter, **kwargs), sampled), type(drafter)
 
 
 def _first_tokens(base, rows: int, seed: int, **kwargs) -> torch.Tensor:

@@ -22,6 +22,7 @@ of it is kept on the drafter (`self`) between calls.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,43 @@ class VerifiedStates:
     states: torch.Tensor
     start: int
     num_valid: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DraftNoise:
+    """How a sampling call (`do_sample=True`) draws its tokens, for drafters that draft what it would draw.
+
+    Sampling here is greedy search on scores plus noise fixed by the call's seed, the row, the position and the
+    token (`generation/sampling.py`). A drafter that drafts `argmax(log q / temperature + noise)` from its own
+    distribution q proposes the token sampling draws wherever q's warped argmax under that noise agrees with the
+    model's; greedy drafts would match only where the draw is the most likely token. Drafts only propose: the
+    output is the undrafted sample's either way.
+
+    Attributes:
+        noise (`Callable[[torch.Tensor, torch.Tensor], torch.Tensor]`): positions `(b, n)` (each the length of the
+            prefix the token follows, decoder start included) and token ids `(S,)` -> the noise `(b, n, S)`.
+        temperature (`float`): the call's temperature (1.0 without one); the other warpers are not applied.
+    """
+
+    noise: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    temperature: float
+
+    def choose(self, logits: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
+        """The sampled draft from a drafter's logits at each position.
+
+        Args:
+            logits (`torch.Tensor` of shape `(b, S)` or `(b, n, S)`): over the vocabulary, or over the shortlist
+                `token_ids` (`(S,)`).
+            positions (`torch.LongTensor` of shape `(b,)` or `(b, n)`): the position each draft takes.
+
+        Returns:
+            `torch.LongTensor` of shape `(b, 1)` or `(b, n, 1)`: indices into `logits`' last dimension.
+        """
+        ids = torch.arange(logits.shape[-1], device=logits.device) if token_ids is None else token_ids
+        one_each = positions.dim() == 1
+        noise = self.noise(positions[:, None] if one_each else positions, ids)  # (b, n, S)
+        perturbed = logits.float() / self.temperature + (noise[:, 0] if one_each else noise)
+        return perturbed.argmax(dim=-1, keepdim=True)
 
 
 @dataclass
@@ -73,6 +111,8 @@ class DraftRequest:
         rows (`torch.LongTensor` of shape `(batch_size,)`, *optional*): each row's index in the caller's batch
             (`generate`'s input), increasing; rows that finished are gone. The loop always sets it; `None` only in
             requests built by hand.
+        sampling ([`DraftNoise`], *optional*): set when the call samples; chain drafters that rank tokens by a
+            distribution of their own (heads, the feature drafter) draft with it. `None` for greedy search.
     """
 
     sequences: torch.Tensor
@@ -86,6 +126,7 @@ class DraftRequest:
     encoder_hidden_states: torch.Tensor | None = None
     compile: CompileOptions | None = None
     rows: torch.Tensor | None = None
+    sampling: DraftNoise | None = None
 
 
 @dataclass

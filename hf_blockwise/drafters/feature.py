@@ -30,7 +30,7 @@ from hf_blockwise.boundary import (
     output_projection_logits,
     shortlist_projection,
 )
-from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts, VerifiedStates
+from hf_blockwise.drafters.base import Drafter, DraftNoise, DraftRequest, Drafts, VerifiedStates
 from hf_blockwise.drafters.heads import ShortlistProjection
 from hf_blockwise.drafters.trees import (
     check_tree_options,
@@ -239,7 +239,8 @@ class FeatureDrafter(Drafter):
         tokens, probabilities, lengths = [], [], None
         alive = torch.ones(batch_size, dtype=torch.bool, device=device)
         for index in range(limit):
-            ranked, probability = self._choose(predicted, cache)  # (b, m), (b, m)
+            # (b, m), (b, m); a sampling call's chain draws on its noise at the draft's position
+            ranked, probability = self._choose(predicted, cache, request.sampling, request.lengths + index)
             tokens.append(ranked)
             probabilities.append(probability)
             if self.threshold is not None:
@@ -363,15 +364,22 @@ class FeatureDrafter(Drafter):
         cache.keys[:, :, start:end] = fresh.keys
         cache.values[:, :, start:end] = fresh.values
 
-    def _choose(self, predicted: torch.Tensor, cache: FeatureDraftCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def _choose(
+        self,
+        predicted: torch.Tensor,
+        cache: FeatureDraftCache,
+        sampling: DraftNoise | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The `branching` best draft tokens per row from predicted states (shape `(b, d)`), best first, and their
-        probabilities: both `(b, m)`."""
+        probabilities: both `(b, m)`; with `sampling`, a chain's token is the one sampling would draw from the
+        drafter's distribution at `positions` (`(b,)`)."""
         projection = cache.projection
         if projection is None:
             logits = output_projection_logits(self.model.base_model, predicted)  # (b, V)
-            return ranked_candidates(logits, None, self.branching)
+            return ranked_candidates(logits, None, self.branching, sampling, positions)
         logits = F.linear(predicted.to(projection.weight.dtype), projection.weight, projection.bias)  # (b, S)
-        return ranked_candidates(logits, projection.token_ids, self.branching)
+        return ranked_candidates(logits, projection.token_ids, self.branching, sampling, positions)
 
     def _draft_next(
         self, predicted: torch.Tensor, token: torch.Tensor, cache: FeatureDraftCache, index: int, visible: torch.Tensor

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from hf_blockwise.boundary import check_same_projection, output_projection_logits, shortlist_projection
-from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts
+from hf_blockwise.drafters.base import Drafter, DraftNoise, DraftRequest, Drafts
 from hf_blockwise.drafters.trees import check_tree_options, ranked_candidates, ranked_tree
 
 
@@ -113,34 +113,50 @@ class HeadsDrafter(Drafter):
         # the last verified token is the base model's own choice from `last_states`
         last_tokens = request.sequences.gather(1, (request.lengths - 1).clamp(min=0)[:, None])[:, 0]  # (B,)
         chosen = self.model.chosen_token_embeddings(last_tokens)  # (B, e) or None
+        # head i drafts the token at position lengths + i (sampling calls draft on their noise there)
+        positions = request.lengths[:, None] + torch.arange(self.block_size - 1, device=request.lengths.device)
+        sampling = request.sampling
         if self.model.blockwise_config.sequential:
-            tokens, probabilities = self._draft_sequentially(states, chosen, request.drafter_state)  # (B, k-1, m)
+            tokens, probabilities = self._draft_sequentially(
+                states, chosen, request.drafter_state, sampling, positions
+            )  # (B, k-1, m)
         else:
             head_states = self.model.heads(states, num_heads=self.block_size - 1, token_embeddings=chosen)
-            tokens, probabilities = self._project(head_states, request.drafter_state)  # (B, k-1, m)
+            tokens, probabilities = self._project(head_states, request.drafter_state, sampling, positions)
         if self.tree_nodes is not None:
             return ranked_tree(tokens, probabilities, self.tree_nodes)
         lengths = torch.full((batch_size,), tokens.shape[1], dtype=torch.long, device=tokens.device)
         return Drafts(tokens=tokens[..., 0], lengths=lengths)
 
     def _project(
-        self, head_states: torch.Tensor, projection: ShortlistProjection | None
+        self,
+        head_states: torch.Tensor,
+        projection: ShortlistProjection | None,
+        sampling: DraftNoise | None = None,
+        positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The `branching` most likely tokens of each head state (shape `(..., d)` -> `(..., m)`), over the
-        shortlist if any, and their probabilities."""
+        shortlist if any, and their probabilities; a sampling call's chains draw on its noise at `positions`."""
         if projection is None:
             logits = output_projection_logits(self.model.base_model, head_states)
-            return ranked_candidates(logits, None, self.branching)
+            return ranked_candidates(logits, None, self.branching, sampling, positions)
         logits = torch.nn.functional.linear(head_states.to(projection.weight.dtype), projection.weight, projection.bias)
-        return ranked_candidates(logits, projection.token_ids, self.branching)
+        return ranked_candidates(logits, projection.token_ids, self.branching, sampling, positions)
 
     def _draft_sequentially(
-        self, states: torch.Tensor, chosen: torch.Tensor, projection: ShortlistProjection | None
+        self,
+        states: torch.Tensor,
+        chosen: torch.Tensor,
+        projection: ShortlistProjection | None,
+        sampling: DraftNoise | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Sequential heads: head i reads the embeddings of t_0 and of the drafts of heads 1..i-1.
 
         Args:
             states (`torch.Tensor` of shape `(B, d)`), chosen (`torch.Tensor` of shape `(B, e)`): t_0's embedding.
+            sampling ([`DraftNoise`], *optional*), positions (`torch.LongTensor` of shape `(B, block_size - 1)`):
+                a sampling call's noise and the position each head's draft takes.
 
         Returns:
             tokens (`torch.LongTensor` of shape `(B, block_size - 1, m)`), best first (each head reads the chain of
@@ -149,7 +165,10 @@ class HeadsDrafter(Drafter):
         embedded, tokens, probabilities = [chosen], [], []
         for index in range(self.block_size - 1):
             ranked, probability = self._project(
-                self.model.heads.head(index, states, torch.stack(embedded, dim=1)), projection
+                self.model.heads.head(index, states, torch.stack(embedded, dim=1)),
+                projection,
+                sampling,
+                None if positions is None else positions[:, index],
             )
             tokens.append(ranked)
             probabilities.append(probability)

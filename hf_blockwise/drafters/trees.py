@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_blockwise.drafters.base import Drafts
+from hf_blockwise.drafters.base import DraftNoise, Drafts
 
 
 def tree_candidates(num_drafts: int, branching: int, frontier: int) -> int:
@@ -128,22 +128,31 @@ def select_tree_tensors(
 
 
 def ranked_candidates(
-    logits: torch.Tensor, token_ids: torch.Tensor | None, branching: int
+    logits: torch.Tensor,
+    token_ids: torch.Tensor | None,
+    branching: int,
+    sampling: DraftNoise | None = None,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A drafter's `branching` best tokens and their probabilities, best first.
 
     Args:
-        logits (`torch.Tensor` of shape `(b, S)`): over the vocabulary, or over a shortlist `token_ids` (`(S,)`).
+        logits (`torch.Tensor` of shape `(..., S)`): over the vocabulary, or over a shortlist `token_ids` (`(S,)`).
+        sampling ([`DraftNoise`], *optional*): a sampling call's noise; with `branching` 1 the token is then the one
+            sampling would draw from these logits at `positions` (shape `logits.shape[:-1]`).
 
     Returns:
-        tokens (`torch.LongTensor` of shape `(b, branching)`) and probabilities (`torch.FloatTensor`, same shape);
-        with `branching` 1 the token is the argmax, as a chain drafter takes it.
+        tokens (`torch.LongTensor` of shape `(..., branching)`) and probabilities (`torch.FloatTensor`, same shape);
+        with `branching` 1 the token is the argmax (or the sampled token), as a chain drafter takes it.
     """
     probabilities = logits.float().softmax(dim=-1)
     if branching == 1:
-        best = logits.argmax(dim=-1, keepdim=True)
+        if sampling is None or positions is None:
+            best = logits.argmax(dim=-1, keepdim=True)
+        else:
+            best = sampling.choose(logits, positions, token_ids)
         top = probabilities.gather(-1, best)
-    else:
+    else:  # trees rank by the drafter's own probabilities, sampling or not
         top, best = probabilities.topk(branching, dim=-1)
     return (best if token_ids is None else token_ids[best]), top
 

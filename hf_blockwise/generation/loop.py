@@ -152,6 +152,7 @@ def decoding_setup(
     block_size: int,
     engine: CompiledDecoder | None,
     sample: bool = False,
+    temperature: float = 1.0,
 ) -> DecodingSetup:
     """What stays fixed during the call, once the model is known to verify `block_size` tokens per pass exactly
     (checked here when `block_size > 1`; an [`UnsupportedModelError`] otherwise). With `sample` (`do_sample=True`)
@@ -176,6 +177,7 @@ def decoding_setup(
         engine=engine,
         position_limit=hf.decoder_position_limit(model),
         sampling_seed=call_seed() if sample else None,
+        sampling_temperature=temperature,
     )
 
 
@@ -257,8 +259,8 @@ def blockwise_generate(
     # a row feeds its pending tokens (at most k) and its drafts: a chain's k - 1 or a tree's nodes
     feed_limit = block_size if drafter.tree_nodes is None else block_size + drafter.tree_nodes
     call, engine = with_engine(model, call, feed_limit, blockwise_compile)
-    sample = generation_config.do_sample
-    setup = decoding_setup(model, call, drafter, rule, logits_processor, block_size, engine, sample)
+    sample, temperature = generation_config.do_sample, float(generation_config.temperature or 1.0)
+    setup = decoding_setup(model, call, drafter, rule, logits_processor, block_size, engine, sample, temperature)
     probe_engine(engine, call, feed_limit, drafter.tree_nodes is not None)
     compiled_before = 0 if engine is None else engine.compiled_calls
     state = initial_state(call, setup)

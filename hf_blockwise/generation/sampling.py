@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_blockwise.drafters.base import DraftNoise
+
 # splitmix64's constants, as signed 64-bit integers (torch has no uint64 arithmetic on CPU): products wrap
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 _MIX_1 = 0xBF58476D1CE4E5B9 - (1 << 64)
@@ -36,7 +38,9 @@ def _mix(value: torch.Tensor) -> torch.Tensor:
     return value ^ _shift_right(value, 31)
 
 
-def shared_gumbel_noise(seed: int, rows: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def shared_gumbel_noise(
+    seed: int, rows: torch.Tensor, positions: torch.Tensor, vocab_size: int, token_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """Standard Gumbel noise that depends on (seed, row, position, token) only.
 
     Args:
@@ -44,18 +48,29 @@ def shared_gumbel_noise(seed: int, rows: torch.Tensor, positions: torch.Tensor, 
         rows (`torch.LongTensor` of shape `(b,)`): each row's index in the caller's batch.
         positions (`torch.LongTensor` of shape `(b, n)`): the position of the token each score vector decides
             (the length of its prefix, decoder start included).
-        vocab_size (`int`).
+        vocab_size (`int`): the noise of tokens `0..vocab_size - 1`, unless `token_ids` is given.
+        token_ids (`torch.LongTensor` of shape `(S,)`, *optional*): the noise of these tokens only (a drafter's
+            vocabulary shortlist): what the full vocabulary's noise holds at those ids.
 
     Returns:
-        `torch.FloatTensor` of shape `(b, n, vocab_size)`.
+        `torch.FloatTensor` of shape `(b, n, vocab_size)`, or `(b, n, S)` with `token_ids`.
     """
     device = positions.device
     row_keys = _mix(torch.full_like(rows, seed, device=device) ^ _mix(rows.to(device)))  # (b,)
     position_keys = _mix(row_keys[:, None] ^ _mix(positions))  # (b, n)
-    tokens = torch.arange(vocab_size, device=device)
+    tokens = torch.arange(vocab_size, device=device) if token_ids is None else token_ids.to(device)
     bits = _shift_right(_mix(position_keys[..., None] ^ tokens), 11)  # (b, n, V): 53 random bits
     uniform = (bits.double() + 0.5) * 2.0**-53  # in (0, 1)
     return (-torch.log(-torch.log(uniform))).float()
+
+
+def draft_noise(seed: int, rows: torch.Tensor, temperature: float) -> DraftNoise:
+    """The call's shared noise as drafters read it ([`DraftNoise`]): the same draws the verification adds."""
+
+    def noise(positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        return shared_gumbel_noise(seed, rows, positions, 0, token_ids)
+
+    return DraftNoise(noise=noise, temperature=temperature)
 
 
 def perturbed_scores(scores: torch.Tensor, seed: int, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

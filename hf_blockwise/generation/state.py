@@ -81,6 +81,8 @@ class DecodingSetup:
         streamer: transformers streamer fed with row 0's new tokens, if any.
         sampling_seed (`int`, *optional*): with `do_sample=True`, the seed of the call's shared Gumbel noise
             ([`sampling.perturbed_scores`]): the scores every decision reads are perturbed by it; `None`: greedy.
+        sampling_temperature (`float`): with `sampling_seed`, the call's temperature, for drafters that draft on
+            the same noise ([`DraftNoise`]).
         engine ([`CompiledDecoder`], *optional*): the compiled verification forward (`blockwise_compile=`); `None`
             runs transformers' forward eagerly.
         position_limit (`int`, *optional*): positions the decoder has (a learned table ends), `None` when unbounded:
@@ -100,6 +102,7 @@ class DecodingSetup:
     engine: CompiledDecoder | None = None
     position_limit: int | None = None
     sampling_seed: int | None = None
+    sampling_temperature: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import torch
 from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.base import DraftRequest, Drafts, VerifiedStates
 from hf_blockwise.generation.acceptance import ExactAcceptance, accepted_lengths
-from hf_blockwise.generation.sampling import perturbed_scores
+from hf_blockwise.generation.sampling import draft_noise, perturbed_scores
 from hf_blockwise.generation.state import DecodingSetup, DecodingState, StepFeed, Verdict
 from hf_blockwise.generation.tree import build_tree_feed, tree_scores, tree_step_allowed, verify_tree
 
@@ -53,6 +53,9 @@ def draft_request(state: DecodingState, setup: DecodingSetup) -> DraftRequest:
         encoder_hidden_states=hf.encoder_hidden_states(state.forward_kwargs),
         compile=None if setup.engine is None else setup.engine.options,
         rows=state.rows,
+        sampling=None
+        if setup.sampling_seed is None
+        else draft_noise(setup.sampling_seed, state.rows, setup.sampling_temperature),
     )
 
 
