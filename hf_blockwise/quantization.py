@@ -15,7 +15,7 @@ residual after, computing the same bits as eager decoding. Measured on the 2-cor
 eagerly (`scripts/int8_kernels.py`, `docs/bench/int8-kernels-2threads.md`): 512x512 at 4 rows 0.041 ms against
 oneDNN's `qlinear_pointwise` 0.063 (float32 0.023), 512x2048 0.064 against 0.071; oneDNN wins the 512->16000 output
 projection (0.30 ms against 0.49). Inside the compiled engine, where oneDNN needed an opaque operator of our own
-(~28 us of Python per product), one decoder call went from 7.9-8.5 ms to 5.9-7.0 ms (`scripts/int8_call_cost.py`).
+(~28 us of Python per product), one decoder call went from 7.9-8.5 ms to 5.9-7.0 ms (`hf-blockwise profile calls`).
 
 Quantizing changes the model, and so its greedy output (the benchmark reports the quality change); blockwise
 decoding of the quantized model is then exact with respect to the quantized model's greedy decoding.

@@ -58,10 +58,10 @@ done
 # issue 32: identity of trees on 300 sentences each (compiled, against the engine's greedy; int8 against int8)
 for set in multi30k europarl; do
     set_files $set
-    python scripts/divergences.py --compiled --drafter feature --source-file $src --sentences 300 --threads 2 \
-        --block-size 6 --tree-nodes 10 > docs/bench/marian-base-$set-tree-divergences.md
-    python scripts/divergences.py --compiled --drafter feature --source-file $src --sentences 300 --threads 2 \
-        --block-size 6 --tree-nodes 16 --tree-branching 4 --no-int8 >> docs/bench/marian-base-$set-tree-divergences.md
+    hf-blockwise profile divergences --model $base --compiled --drafter feature --source-file $src --sentences 300 \
+        --threads 2 --block-size 6 --tree-nodes 10 --int8 > docs/bench/marian-base-$set-tree-divergences.md
+    hf-blockwise profile divergences --model $base --compiled --drafter feature --source-file $src --sentences 300 \
+        --threads 2 --block-size 6 --tree-nodes 16 --tree-branching 4 >> docs/bench/marian-base-$set-tree-divergences.md
 done
 
 # issue 32: trees of drafts against chains, both sets at batch 1 and 16, CTranslate2 beside them; chains and trees of
@@ -80,15 +80,15 @@ for set in multi30k europarl; do
         --out docs/bench/marian-base-$set-trees-b16
 done
 set_files multi30k
-python scripts/step_profile.py --model $base --source-file $src --sentences 50 --threads 2 --block-size 5 \
-    --modes feature_compiled > docs/bench/marian-base-step-profile-trees.md
-python scripts/step_profile.py --model $base --source-file $src --sentences 50 --threads 2 --block-size 6 \
-    --tree-nodes 10 --modes feature_compiled >> docs/bench/marian-base-step-profile-trees.md
+hf-blockwise profile step --model $base --source-file $src --sentences 50 --threads 2 --block-size 5 \
+    --compiled > docs/bench/marian-base-step-profile-trees.md
+hf-blockwise profile step --model $base --source-file $src --sentences 50 --threads 2 --block-size 6 \
+    --tree-nodes 10 --compiled >> docs/bench/marian-base-step-profile-trees.md
 
 # issue 31: one arithmetic for every compiled call; int8 drafting against the int8 engine's greedy, both sets at
 # batch 1 and Europarl at batch 16, CTranslate2 beside them; the int8 call's cost against its bytes; what the
 # stale-weight check costs
-python scripts/int8_call_cost.py --threads 2 > docs/bench/int8-call-cost.md
+hf-blockwise profile calls --threads 2 --torch-profile > docs/bench/int8-call-cost.md
 python scripts/int8_kernels.py --threads 2 > docs/bench/int8-kernels-2threads.md
 for set in europarl multi30k; do
     set_files $set
@@ -104,10 +104,10 @@ for set in europarl multi30k; do
 done
 # one verification call against one draft (int8 model; float32 base with the int8 drafter)
 set_files multi30k
-python scripts/step_profile.py --model $base --source-file $src --sentences 50 --threads 2 --int8 \
-    --modes greedy_compiled feature_compiled > docs/bench/marian-base-step-profile-int8.md
-python scripts/step_profile.py --model $base --source-file $src --sentences 50 --threads 2 --int8-drafter \
-    --modes feature_compiled > docs/bench/marian-base-step-profile-int8-drafter.md
+hf-blockwise profile step --model $base --source-file $src --sentences 50 --threads 2 --int8 \
+    --compiled > docs/bench/marian-base-step-profile-int8.md
+hf-blockwise profile step --model $base --source-file $src --sentences 50 --threads 2 --int8-drafter \
+    --compiled > docs/bench/marian-base-step-profile-int8-drafter.md
 python scripts/stale_weights_check.py --threads 2
 # an int8 feature drafter over the float32 model (a separate run, batch 1)
 for set in multi30k europarl; do
@@ -132,8 +132,7 @@ for set in multi30k europarl; do
     hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 100 --batch-sizes 1 \
         --threads 2 --modes greedy greedy_int8 feature_int8 heads_int8 --out docs/bench/marian-base-$set-int8-eager
 done
-# what the feature drafter's width costs per draft (eager), and its k chosen by speed (compiled, batch 1)
-python scripts/drafter_width.py --model $base --threads 2
+# the feature drafter's k chosen by speed (compiled, batch 1)
 hf-blockwise bench --model $base --source-file $data/multi30k/test_2016_flickr.en.gz \
     --reference-file $data/multi30k/test_2016_flickr.de.gz --sentences 100 --batch-sizes 1 --threads 2 \
     --modes greedy greedy_compiled feature_k3_compiled feature_compiled feature_k5_compiled feature_k6_compiled \
@@ -141,15 +140,17 @@ hf-blockwise bench --model $base --source-file $data/multi30k/test_2016_flickr.e
 # the int8 kernel candidates, one thread
 python scripts/int8_kernels.py --threads 1
 # where int8 drafting leaves int8 greedy on the news set, and the top-2 gaps there
-python scripts/divergences.py --model $base --drafter feature --source-file $data/europarl_de_en/validation.en \
-    --sentences 40 --threads 2
+hf-blockwise profile divergences --model $base --drafter feature --int8 \
+    --source-file $data/europarl_de_en/validation.en --sentences 40 --threads 2
 # its decoder cost curve (eager and compiled, 1..8 tokens), the step profile (float32 and int8) and peak memory
 hf-blockwise bench --model $base --source-file $data/multi30k/test_2016_flickr.en.gz --sentences 3 --batch-sizes 1 \
     --threads 2 --modes greedy --cost-curve --cost-curve-max-tokens 8 --out docs/bench/marian-base-cost-curve
-python scripts/step_profile.py --model $base --source-file $data/multi30k/test_2016_flickr.en.gz --sentences 50 \
-    --threads 2
-python scripts/step_profile.py --model $base --source-file $data/multi30k/test_2016_flickr.en.gz --sentences 50 \
-    --threads 2 --int8 --modes greedy_compiled feature_compiled
+for engine in "" --compiled; do
+    hf-blockwise profile step --model $base --source-file $data/multi30k/test_2016_flickr.en.gz --sentences 50 \
+        --threads 2 $engine
+done
+hf-blockwise profile step --model $base --source-file $data/multi30k/test_2016_flickr.en.gz --sentences 50 \
+    --threads 2 --int8 --compiled
 python scripts/peak_memory.py --model $base --source-file $data/multi30k/test_2016_flickr.en.gz --modes greedy \
     greedy_compiled greedy_int8_compiled feature_compiled feature_int8_compiled ct2 ct2_int8
 
@@ -171,7 +172,10 @@ hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.
     --modes greedy loop greedy_compiled oracle_compiled feature feature_compiled --oracle-block-sizes 4 \
     --out docs/bench/multi30k-compiled-b16
 # where a step's time goes (verification, drafting, bookkeeping, generate's fixed cost), printed
-python scripts/step_profile.py --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz --sentences 100 --threads 2
+for engine in "" --compiled; do
+    hf-blockwise profile step --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz --sentences 100 \
+        --threads 2 $engine
+done
 # the decoder cost curve, eager and compiled, 1..8 tokens
 hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz --sentences 3 --batch-sizes 1 \
     --threads 2 --modes greedy --cost-curve --cost-curve-max-tokens 8 --out docs/bench/multi30k-cost-curve-compiled

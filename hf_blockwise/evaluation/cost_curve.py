@@ -1,11 +1,12 @@
 """The decoder cost curve: the time of one cached decoder forward by tokens fed, eager or through the compiled
 engine, and the speedup ceiling it implies for steps that feed the same number of tokens every time. The bench
-(`hf-blockwise bench --cost-curve`) and the measurement scripts (`scripts/int8_call_cost.py`) time with it."""
+(`hf-blockwise bench --cost-curve`) and `hf-blockwise profile calls` time with it; [`compiled_call`] is one compiled
+call alone, to time or profile."""
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -14,6 +15,8 @@ from torch import nn
 from hf_blockwise import boundary as hf
 from hf_blockwise.engine import CompiledDecoder, CompileOptions, compiled_decoder
 from hf_blockwise.evaluation.harness import wall_clock
+
+CAPTION = "A man in a blue shirt is standing on a ladder cleaning windows."
 
 
 @torch.no_grad()
@@ -91,3 +94,25 @@ def speedup_ceiling(curve: Sequence[tuple[int, float]], mean_accepted: float, to
     counting decoder forwards only: `mean_accepted * t(1) / t(tokens_fed)`."""
     times = dict(curve)
     return mean_accepted * times[1] / times[tokens_fed]
+
+
+@torch.no_grad()
+def compiled_call(model: nn.Module, tokenizer: Any, width: int, sentence: str = CAPTION) -> Callable[[], None]:
+    """A function that runs one compiled decoder call of `width` tokens, batch 1, after the decoder start token
+    (the engine built, the encoder run and the cache prefilled here), and crops the cache back; run it once to
+    compile."""
+    engine = compiled_decoder(model, CompileOptions())
+    if engine is None:
+        raise RuntimeError("the compiled engine is unavailable here (see the warning): nothing to profile")
+    inputs = tokenizer([sentence], return_tensors="pt")
+    forward_kwargs = {"encoder_outputs": model.get_encoder()(**inputs), "attention_mask": inputs["attention_mask"]}
+    cache = engine.new_cache(64)
+    engine.forward(torch.full((1, 1), model.config.decoder_start_token_id), cache, forward_kwargs, cache_length=0)
+    fed = torch.full((1, width), model.config.eos_token_id)
+
+    @torch.no_grad()
+    def call() -> None:
+        engine.forward(fed, cache, forward_kwargs, cache_length=1)
+        hf.crop_cache(cache, 1)  # the next call writes at the same position
+
+    return call

@@ -1,6 +1,7 @@
 """`hf-blockwise` console script: `demo` (greedy and blockwise side by side), `bench` (every mode, or the loop alone
-on random models of real shapes with `--model-config`) and `generate` (a whole corpus, resumable, sharded over
-`accelerate launch` processes), one module per subcommand."""
+on random models of real shapes with `--model-config`), `generate` (a whole corpus, resumable, sharded over
+`accelerate launch` processes) and `profile` (where the time goes: a call against its bytes, a step's phases, the
+divergences from greedy), one module per subcommand."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 from hf_blockwise.tools.cli.bench import add_bench_arguments, run_bench_command
 from hf_blockwise.tools.cli.demo import add_demo_arguments, run_demo_command
 from hf_blockwise.tools.cli.generate import add_generate_arguments, run_generate_command
+from hf_blockwise.tools.cli.profile import add_profile_arguments, run_profile_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,10 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_generate_arguments(generate)
     generate.set_defaults(run=functools.partial(run_generate_command, generate))
+    profile = commands.add_parser("profile", help="where decoding's time goes: calls, a step's phases, divergences")
+    add_profile_arguments(profile)
+    profile.set_defaults(run=functools.partial(run_profile_command, profile))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The `hf-blockwise` console script: `demo`, `bench` and `generate`."""
+    """The `hf-blockwise` console script: `demo`, `bench`, `generate` and `profile`."""
     args = build_parser().parse_args(argv)
     return args.run(args)

@@ -1,0 +1,106 @@
+"""`hf-blockwise profile calls|step|divergences`: where decoding's time goes on a model (`tools/profile.py`)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+
+import torch
+from transformers.utils import logging as transformers_logging
+
+from hf_blockwise import quantize_dynamic_int8
+from hf_blockwise.loading import DRAFTER_NAMES, REALISTIC_MODEL, DrafterOptions, LoadedModel, build_drafter, load_model
+from hf_blockwise.text_files import read_lines
+from hf_blockwise.tools import profile
+from hf_blockwise.tools.cli.arguments import check_shipped_model, positive_int
+from hf_blockwise.tools.cli.demo import DEMO_SENTENCES
+
+
+def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `hf-blockwise profile` and of its three questions."""
+    questions = parser.add_subparsers(dest="question", required=True)
+    calls = questions.add_parser("calls", help="one decoder call of 1..N tokens against its weights' bytes' time")
+    steps = questions.add_parser("step", help="a blockwise decode's time: verification, drafting, bookkeeping")
+    differ = questions.add_parser("divergences", help="where blockwise output departs from greedy, and the top-2 gap")
+    for question in (calls, steps, differ):
+        question.add_argument("--model", default=None, help="model directory (default: the shipped marian-base-en-de)")
+        question.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    calls.add_argument("--max-tokens", type=positive_int, default=8, help="time calls of 1..N tokens")
+    calls.add_argument("--repeats", type=positive_int, default=20, help="timed rounds over the widths (median)")
+    calls.add_argument(
+        "--kinds", nargs="+", choices=profile.CALL_KINDS, default=["float32 compiled", "int8 eager", "int8 compiled"],
+        help="which calls to time",
+    )  # fmt: skip
+    calls.add_argument("--torch-profile", action="store_true", help="with torch.profiler's table")
+    for question in (steps, differ):
+        question.add_argument("--source-file", default=None, help="one source per line (default: the demo's sentences)")
+        question.add_argument("--sentences", type=positive_int, default=100, help="the first N sources")
+        question.add_argument("--drafter", choices=[n for n in DRAFTER_NAMES if n != "none"], default="feature")
+        question.add_argument("--block-size", type=positive_int, default=None, help="the drafter's k")
+        question.add_argument("--tree-nodes", type=positive_int, default=None, help="draft trees of this many nodes")
+        question.add_argument("--tree-branching", type=positive_int, default=2, help="candidates per node of a tree")
+        precision = question.add_mutually_exclusive_group()
+        precision.add_argument("--int8", action="store_true", help="the base and the feature drafter's layer in int8")
+        precision.add_argument(
+            "--int8-drafter", action="store_true", help="the float32 base with its feature drafter's layer in int8"
+        )
+        question.add_argument("--compiled", action="store_true", help="verify through the compiled engine")
+        question.add_argument("--max-new-tokens", type=positive_int, default=128, help="length limit")
+
+
+def run_profile_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`hf-blockwise profile`: prints one Markdown table (or report) for the question asked."""
+    model = args.model or REALISTIC_MODEL
+    check_shipped_model(parser, model)
+    if not os.path.isdir(model):
+        parser.error(f"--model {model}: no such directory (a saved seq2seq model with its tokenizer)")
+    transformers_logging.set_verbosity_error()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    if args.question == "calls":
+        loaded = load_model(model)
+        _print_calls(loaded, args, threads)
+        return 0
+    loaded = load_model(model, int8=args.int8)
+    if args.int8_drafter:
+        loaded = loaded.int8_drafter_copy()
+    options = DrafterOptions(block_size=args.block_size, tree_nodes=args.tree_nodes, tree_branching=args.tree_branching)
+    try:
+        drafter = build_drafter(args.drafter, loaded, options)
+    except ValueError as error:
+        parser.error(str(error))
+    sources = (read_lines(args.source_file) if args.source_file else DEMO_SENTENCES)[: args.sentences]
+    weights = "int8" if args.int8 else "float32 base, int8 drafter" if args.int8_drafter else "float32"
+    print(f"{model}, {len(sources)} sentences, batch 1, {threads} threads, {weights}, drafter {args.drafter}, "
+          f"k = {drafter.block_size}" + (", compiled engine" if args.compiled else ", eager"))  # fmt: skip
+    if args.question == "step":
+        print("| mode | verification | drafting | bookkeeping | generate (fixed) | total | one verification | one "
+              "drafter call |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+        for name, assistant in (("greedy (the loop, no drafts)", None), (args.drafter, drafter)):
+            phases = profile.step_phases(
+                loaded.base, loaded.tokenizer, sources, assistant, args.compiled, args.max_new_tokens
+            )
+            print(f"| {name} | " + " | ".join(f"{value:.1f}" for value in phases.values()) + " |")
+        print("(ms per sentence; the last two columns: ms per call)")
+        return 0
+    report = profile.divergences(loaded.base, loaded.tokenizer, sources, drafter, args.compiled, args.max_new_tokens)
+    for source, found in report.differing:
+        print(source, found)
+    reference = "the engine's greedy" if args.compiled else "transformers' greedy"
+    print(f"identical to {reference}: {report.sentences - len(report.differing)}/{report.sentences}")
+    print("top-2 logit gaps at the divergences: " + (", ".join(f"{gap:.4f}" for gap in report.gaps) or "none"))
+    return 0
+
+
+def _print_calls(loaded: LoadedModel, args: argparse.Namespace, threads: int) -> None:
+    from_memory, from_cache = profile.bandwidth_gb_s(400), profile.bandwidth_gb_s(4, repeats=50)
+    print(f"{args.model or REALISTIC_MODEL}, batch 1, {threads} threads; streaming bandwidth measured here: "
+          f"{from_memory:.1f} GB/s from memory (400 MB), {from_cache:.1f} GB/s from cache (4 MB)")  # fmt: skip
+    rows = profile.call_cost_rows(loaded.base, loaded.tokenizer, args.kinds, args.max_tokens, args.repeats)
+    print(profile.call_cost_table(rows, from_memory, from_cache))
+    if args.torch_profile:
+        int8 = quantize_dynamic_int8(copy.deepcopy(loaded.base))
+        print("\nWhere a compiled int8 call of 3 tokens spends its time (20 calls; divide by 20 for one):\n")
+        print("```\n" + profile.profile_compiled_call(int8, loaded.tokenizer) + "\n```")

@@ -1,0 +1,245 @@
+"""`hf-blockwise profile`: where decoding's time goes, on your model, in three questions.
+
+- [`call_cost_rows`] (`profile calls`): one cached decoder call of 1..N tokens, batch 1, against the time its
+  weights' bytes take to stream, from memory and from cache ([`bandwidth_gb_s`]), for float32 and int8, eager and
+  compiled; [`profile_compiled_call`] adds `torch.profiler`'s table of one compiled int8 call.
+- [`step_phases`] (`profile step`): a blockwise decode's time per sentence split into verification, drafting,
+  bookkeeping and `generate`'s fixed cost.
+- [`divergences`] (`profile divergences`): where blockwise decoding departs from greedy decoding of the same
+  weights, and the top-2 logit gap there (a floating-point near-tie is the only excuse).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_blockwise import blockwise_generate, first_divergence, quantize_dynamic_int8
+from hf_blockwise.drafters.base import Drafter
+from hf_blockwise.evaluation.cost_curve import CAPTION, compiled_call, decoder_cost_curve
+from hf_blockwise.generation import loop, step
+
+CALL_KINDS = ("float32 eager", "float32 compiled", "int8 eager", "int8 compiled")
+
+
+def bandwidth_gb_s(megabytes: float, repeats: int = 10) -> float:
+    """Bytes per second that summing a float32 tensor of `megabytes` streams (median of `repeats`): from memory for
+    a tensor far larger than the last-level cache (400 MB), from cache for one that fits it (a few MB)."""
+    tensor = torch.ones(int(megabytes * 2**20) // 4)
+    tensor.sum()  # touched once: paged in, and in cache if it fits
+    times = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        tensor.sum()
+        times.append(time.perf_counter() - begin)
+    return tensor.numel() * 4 / statistics.median(times) / 1e9
+
+
+def step_weight_bytes(base: nn.Module) -> int:
+    """Bytes of the weights one decoder step reads: every projection of the decoder and the output projection, but
+    the cross-attention's keys and values (computed once per call); int8 weights count 1 byte each."""
+    total = 0
+    decoder_modules = [*base.get_decoder().named_modules(), ("lm_head", base.get_output_embeddings())]
+    for name, module in decoder_modules:
+        if name.endswith(("encoder_attn.k_proj", "encoder_attn.v_proj", "EncDecAttention.k", "EncDecAttention.v")):
+            continue
+        weight = getattr(module, "weight_int8_t", None)
+        if weight is None and isinstance(module, nn.Linear):
+            weight = module.weight
+        if weight is not None:
+            total += weight.numel() * weight.element_size()
+    return total
+
+
+@dataclass(frozen=True)
+class CallCostRow:
+    """One kind of call's cost curve.
+
+    Attributes:
+        kind (`str`): one of `CALL_KINDS`.
+        weight_bytes (`int`): what one call streams ([`step_weight_bytes`]).
+        seconds (`list[float]`): the median call at 1..N tokens.
+    """
+
+    kind: str
+    weight_bytes: int
+    seconds: list[float]
+
+
+def call_cost_rows(
+    base: nn.Module,
+    tokenizer: Any,
+    kinds: Sequence[str] = CALL_KINDS,
+    max_tokens: int = 8,
+    repeats: int = 20,
+    sentence: str = CAPTION,
+) -> list[CallCostRow]:
+    """The cost curve of each kind of call ([`decoder_cost_curve`]); the int8 kinds time a quantized copy."""
+    unknown = sorted(set(kinds) - set(CALL_KINDS))
+    if unknown:
+        raise ValueError(f"unknown call kinds {unknown}; the kinds are {list(CALL_KINDS)}")
+    int8 = quantize_dynamic_int8(copy.deepcopy(base)) if any(kind.startswith("int8") for kind in kinds) else None
+    rows = []
+    for kind in kinds:
+        model = int8 if kind.startswith("int8") else base
+        curve = decoder_cost_curve(
+            model, tokenizer, sentence, max_tokens=max_tokens, repeats=repeats, compiled=kind.endswith("compiled")
+        )
+        rows.append(CallCostRow(kind, step_weight_bytes(model), [seconds for _, seconds in curve]))
+    return rows
+
+
+def call_cost_table(rows: Sequence[CallCostRow], from_memory: float, from_cache: float) -> str:
+    """A Markdown table of the rows: each call in ms and as a multiple of its bytes' time from memory."""
+    widths = len(rows[0].seconds) if rows else 0
+    lines = [
+        f"| call | weight bytes | bytes' time from memory ({from_memory:.0f} GB/s) / cache ({from_cache:.0f} GB/s) | "
+        + " | ".join(f"{n} tok" for n in range(1, widths + 1))
+        + " |",
+        "|---|---|---|" + "---|" * widths,
+    ]
+    for row in rows:
+        memory_ms, cache_ms = row.weight_bytes / from_memory / 1e6, row.weight_bytes / from_cache / 1e6
+        cells = " | ".join(f"{1000 * seconds:.2f} ms ({1000 * seconds / memory_ms:.1f}x)" for seconds in row.seconds)
+        lines.append(
+            f"| {row.kind} | {row.weight_bytes / 1e6:.3g} MB | {memory_ms:.2f} / {cache_ms:.2f} ms | {cells} |"
+        )
+    return "\n".join(lines)
+
+
+def profile_compiled_call(model: nn.Module, tokenizer: Any, calls: int = 20, width: int = 3) -> str:
+    """`torch.profiler`'s table (ops by self time, grouped by input shapes) over `calls` compiled decoder calls of
+    `width` tokens, batch 1."""
+    call = compiled_call(model, tokenizer, width)
+    for _ in range(3):  # warm: compiled, and the graphs' first runs done
+        call()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, record_shapes=True) as profile:
+        for _ in range(calls):
+            call()
+    averages = profile.key_averages(group_by_input_shape=True)
+    return averages.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40)
+
+
+@contextmanager
+def _timing(totals: dict[str, float], drafter: Drafter | None) -> Iterator[None]:
+    """Times the loop's step, its decoder forward and the drafter's `get_candidates` into `totals` (seconds and
+    call counts) while the block runs; the loop's functions and the drafter are put back after it, raised or not."""
+
+    def timed(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                totals[name] += time.perf_counter() - start
+                totals[f"{name} calls"] += 1
+
+        return run
+
+    originals = (loop.decode_step, step.run_decoder)
+    loop.decode_step = timed("step", loop.decode_step)  # called through the modules' globals
+    step.run_decoder = timed("verification", step.run_decoder)
+    if drafter is not None:  # an attribute of the instance: this drafter only, whatever its class
+        drafter.get_candidates = timed("drafting", drafter.get_candidates)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        loop.decode_step, step.run_decoder = originals
+        if drafter is not None:
+            del drafter.get_candidates
+
+
+def step_phases(
+    base: nn.Module,
+    tokenizer: Any,
+    sources: Sequence[str],
+    drafter: Drafter | None,
+    compiled: bool,
+    max_new_tokens: int = 128,
+) -> dict[str, float]:
+    """Milliseconds per sentence of each phase of blockwise greedy decoding at batch 1 (after an untimed warm-up over
+    the same sentences, which also compiles), and of one verification call and one drafter call.
+
+    Returns:
+        `dict[str, float]`: `verification`, `drafting`, `bookkeeping` (the rest of each step: feed, scores,
+        acceptance, stopping, advance), `generate (fixed)` (what a call spends outside its steps: encoder,
+        transformers' setup, the loop's own), `total`, `verification per call`, `drafting per call`.
+    """
+    totals: dict[str, float] = collections.defaultdict(float)
+    with torch.inference_mode(), _timing(totals, drafter):
+        for _run in ("warm-up", "timed"):
+            totals.clear()
+            start = time.perf_counter()
+            for source in sources:
+                base.generate(
+                    **tokenizer(source, return_tensors="pt"), custom_generate=blockwise_generate,
+                    assistant=drafter, blockwise_compile=compiled, max_new_tokens=max_new_tokens, num_beams=1,
+                )  # fmt: skip
+            total = time.perf_counter() - start
+    phases = {
+        "verification": totals["verification"],
+        "drafting": totals["drafting"],
+        "bookkeeping": totals["step"] - totals["verification"] - totals["drafting"],
+        "generate (fixed)": total - totals["step"],
+        "total": total,
+    }
+    per_sentence = {name: 1000 * seconds / len(sources) for name, seconds in phases.items()}
+    per_call = {
+        f"{name} per call": 1000 * totals[name] / totals[f"{name} calls"] if totals[f"{name} calls"] else float("nan")
+        for name in ("verification", "drafting")
+    }
+    return {**per_sentence, **per_call}
+
+
+@dataclass(frozen=True)
+class DivergenceReport:
+    """What [`divergences`] found.
+
+    Attributes:
+        sentences (`int`): decoded.
+        differing (`list[tuple[str, list]]`): each source whose blockwise output differs, with its
+            [`first_divergence`] list (position, tokens, top-2 gap).
+        gaps (`list[float]`): the top-2 logit gaps at every divergence, sorted.
+    """
+
+    sentences: int
+    differing: list[tuple[str, list]]
+    gaps: list[float]
+
+
+def divergences(
+    base: nn.Module,
+    tokenizer: Any,
+    sources: Sequence[str],
+    drafter: Drafter,
+    compiled: bool,
+    max_new_tokens: int = 128,
+) -> DivergenceReport:
+    """Decodes each source greedy and blockwise (batch 1; eager against transformers' greedy, or `compiled` through
+    the engine against the engine's own greedy) and reports where they differ."""
+    engine = {"custom_generate": blockwise_generate, "blockwise_compile": compiled}
+    differing, gaps = [], []
+    for source in sources:
+        inputs = tokenizer([source], return_tensors="pt")
+        if compiled:
+            greedy = base.generate(**inputs, **engine, max_new_tokens=max_new_tokens)
+        else:
+            greedy = base.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1)
+        blockwise = base.generate(**inputs, **engine, assistant=drafter, max_new_tokens=max_new_tokens, num_beams=1)
+        if not torch.equal(greedy, blockwise):
+            found = first_divergence(
+                base, inputs["input_ids"], greedy, blockwise, inputs["attention_mask"], base.config.pad_token_id
+            )
+            differing.append((source, found))
+            gaps += [divergence.top2_gap for divergence in found]
+    return DivergenceReport(len(sources), differing, sorted(gaps))

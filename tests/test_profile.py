@@ -1,0 +1,75 @@
+"""`hf-blockwise profile calls|step|divergences` on a small saved model (eager: the compiled kinds are timed by the
+same functions, whose engine is tested in test_engine.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_model, word_tokenizer
+
+from hf_blockwise import BlockwiseHeadsConfig, BlockwiseHeadsModel
+from hf_blockwise.generation import loop, step
+from hf_blockwise.tools import profile
+from hf_blockwise.tools.cli import main
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory) -> str:
+    """A tiny Marian with trained-looking (random, non-zero) heads and a word tokenizer, saved."""
+    folder = tmp_path_factory.mktemp("profiled")
+    base, tokenizer = build_model("marian", seed=3), word_tokenizer()
+    base.generation_config.max_length = None
+    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3))
+    torch.nn.init.normal_(model.heads.down.weight, std=1.0)
+    base.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    model.save_pretrained(folder, base_model_name_or_path=".")
+    (folder / "sources.txt").write_text("w5 w6 w7\nw9 w10\nw4 w8 w8 w11\n")
+    return str(folder)
+
+
+def _table_rows(printed: str) -> list[list[str]]:
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in printed.splitlines() if line[:2] == "| "]
+
+
+def test_the_step_profile_splits_a_decode_into_its_phases(saved_model: str, capsys) -> None:
+    """Greedy (the loop alone) spends nothing drafting, the heads do; every phase is a time, the phases sum to the
+    total; the loop's functions and the drafter are put back afterwards."""
+    originals = (loop.decode_step, step.run_decoder)
+    arguments = ["profile", "step", "--model", saved_model, "--drafter", "heads", "--threads", "1"]
+    assert main([*arguments, "--source-file", f"{saved_model}/sources.txt", "--max-new-tokens", "12"]) == 0
+    rows = {row[0]: [float(cell) for cell in row[1:]] for row in _table_rows(capsys.readouterr().out)[1:]}
+    assert set(rows) == {"greedy (the loop, no drafts)", "heads"}
+    greedy, heads = rows["greedy (the loop, no drafts)"], rows["heads"]
+    assert greedy[1] == 0.0 and heads[1] > 0 and heads[6] > 0  # drafting per sentence, one drafter call
+    for phases in (greedy, heads):
+        assert all(value >= 0 for value in phases[:4])
+        assert phases[4] == pytest.approx(sum(phases[:4]), abs=0.25)  # each printed to 0.1 ms
+    assert (loop.decode_step, step.run_decoder) == originals
+
+
+def test_divergences_and_call_costs_are_reported(saved_model: str, capsys) -> None:
+    common = ["--model", saved_model, "--threads", "1"]
+    sources = ["--source-file", f"{saved_model}/sources.txt", "--max-new-tokens", "12"]
+    assert main(["profile", "divergences", *common, "--drafter", "heads", *sources]) == 0
+    printed = capsys.readouterr().out
+    assert "identical to transformers' greedy: 3/3" in printed and "gaps at the divergences: none" in printed
+    kinds = ["--kinds", "float32 eager", "int8 eager", "--max-tokens", "3", "--repeats", "1"]
+    assert main(["profile", "calls", *common, *kinds]) == 0
+    printed = capsys.readouterr().out
+    assert "GB/s from memory (400 MB)" in printed and "from cache (4 MB)" in printed
+    rows = _table_rows(printed)
+    assert [row[0] for row in rows[1:]] == ["float32 eager", "int8 eager"] and rows[0][-1] == "3 tok"
+    float_bytes, int8_bytes = (float(row[1].split()[0]) for row in rows[1:])
+    assert int8_bytes == pytest.approx(float_bytes / 4, rel=0.05)  # the int8 kind streams a quarter of the bytes
+    with pytest.raises(ValueError, match="unknown call kinds"):
+        profile.call_cost_rows(None, None, ["int4 eager"])
+
+
+def test_profile_usage_errors_name_what_is_wrong(saved_model: str, capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["profile", "step", "--model", saved_model, "--drafter", "feature"])
+    assert "drafter 'feature'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["profile", "divergences", "--model", f"{saved_model}/missing"])
+    assert "no such directory" in capsys.readouterr().err
