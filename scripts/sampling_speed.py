@@ -1,11 +1,12 @@
 """Sampling through the loop against transformers' own sampling (CHANGELOG, "Sampling through the loop").
 
 Per sentence at batch 1, the median of `--repeats` runs of: transformers' sampling (`do_sample=True`), the loop's
-sampling without drafts, and with the model's feature drafter (eager), all with the same temperature and top-p;
+sampling without drafts, and with the model's feature drafter (eager, or `--compiled` through the compiled engine,
+compiled before the timed runs), all with the same temperature and top-p;
 prints the summed times, the ratios to transformers' sampling, tokens per decoder call, and whether the drafted
 output equals the undrafted one under the same seed on every sentence::
 
-    python scripts/sampling_speed.py --sentences 30 --threads 2
+    python scripts/sampling_speed.py --sentences 30 --threads 2 [--compiled]
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class SamplingSpeedArguments:
     temperature: float = field(default=0.7, metadata={"help": "sampling temperature"})
     top_p: float = field(default=0.9, metadata={"help": "nucleus sampling's top-p"})
     threads: int = field(default=2, metadata={"help": "torch CPU threads"})
+    compiled: bool = field(default=False, metadata={"help": "the loop's modes through the compiled engine"})
 
 
 def main() -> None:
@@ -43,11 +45,11 @@ def main() -> None:
     loaded = load_model(args.model)
     base, drafter = loaded.base, build_drafter("feature", loaded)
     sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
-    modes = {
-        "transformers": {},
-        "loop": {"custom_generate": blockwise_generate},
-        "loop + feature drafter": {"custom_generate": blockwise_generate, "assistant": drafter},
-    }
+    loop = {"custom_generate": blockwise_generate, "blockwise_compile": args.compiled}
+    modes = {"transformers": {}, "loop": loop, "loop + feature drafter": {**loop, "assistant": drafter}}
+    for extra in modes.values():  # compiled once, before the timed runs
+        with torch.inference_mode():
+            base.generate(**loaded.tokenizer(["A warm-up."], return_tensors="pt"), **sampling, **extra)
     seconds = dict.fromkeys(modes, 0.0)
     tokens, calls, same = 0, 0, 0
     for index, source in enumerate(read_lines(args.source_file)[: args.sentences]):
@@ -65,7 +67,8 @@ def main() -> None:
         same += torch.equal(outputs["loop"].sequences, outputs["loop + feature drafter"].sequences)
         accepted = outputs["loop + feature drafter"].decoding_stats.accepted
         tokens, calls = tokens + int(accepted.sum()), calls + int((accepted > 0).sum())
-    print(f"{args.model}, {args.sentences} sentences, batch 1, {args.threads} threads, {sampling}")
+    engine = "the compiled engine" if args.compiled else "eager"
+    print(f"{args.model}, {args.sentences} sentences, batch 1, {args.threads} threads, {sampling}, loop {engine}")
     for name, total in seconds.items():
         print(f"{name:24} {total:7.2f} s  {seconds['transformers'] / total:5.2f}x transformers' sampling")
     print(f"feature drafter: {tokens / calls:.2f} tokens per decoder call; drafted = undrafted on {same}/{index + 1}")

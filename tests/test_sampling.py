@@ -102,8 +102,8 @@ def test_sampled_trees_and_the_engine_give_the_undrafted_tokens(tiny_models) -> 
 
 
 class SelfDrafter(Drafter):
-    """Drafts with the model itself, one token at a time over the whole prefix (no cache), each token chosen as
-    `DraftRequest.sampling` says (the call's noise at the draft's position): what sampling draws, so every draft is
+    """Drafts with the model itself, one token at a time over the whole prefix (no cache), each token chosen on
+    `DraftRequest.sampling` (the call's noise at the draft's position): what sampling draws, so every draft is
     kept. `shift` moves the positions it reads the noise at (a wrong contract, whose drafts are mostly refused)."""
 
     def __init__(self, base, block_size: int, encoder_batch: dict, shift: int = 0) -> None:
@@ -124,7 +124,8 @@ class SelfDrafter(Drafter):
                 attention_mask=self.encoder_batch["attention_mask"][rows],
                 decoder_input_ids=self._placed(fed, lengths, index),
             ).logits.gather(1, at)[:, 0]  # (b, V): the logits that decide position lengths + index
-            drafts.append(request.sampling.choose(logits, lengths + index + self.shift, None)[:, 0])
+            noise = request.sampling.at(lengths + index + self.shift, None, logits.shape[-1])  # (b, V)
+            drafts.append((logits / request.sampling.temperature + noise).argmax(dim=-1))
         tokens = torch.stack(drafts, dim=1)
         return Drafts(tokens=tokens, lengths=torch.full_like(lengths, self.block_size - 1))
 
@@ -160,6 +161,13 @@ def test_drafters_draft_what_sampling_draws_on_the_calls_noise(tiny_models) -> N
         feature = FeatureDrafterModel(base, FeatureDrafterConfig(block_size=3)).drafter()
         for drafter in (heads, feature):
             assert torch.equal(_sampled(base, batch, seed, assistant=drafter, **kwargs), sampled), type(drafter)
+        if batch_size == 1:  # the feature drafter's drafting block (batch 1 under an engine) drafts on the noise too
+            eager = _sampled(base, batch, seed, assistant=feature, return_dict_in_generate=True, **kwargs)
+            engine = CompileOptions(backend="eager")  # dynamo alone: the block's arithmetic is the module's
+            block = _sampled(base, batch, seed, assistant=feature, return_dict_in_generate=True,
+                             blockwise_compile=engine, **kwargs)  # fmt: skip
+            assert torch.equal(block.sequences, sampled)
+            assert torch.equal(block.decoding_stats.accepted, eager.decoding_stats.accepted)  # the same drafts kept
 
 
 def _first_tokens(base, rows: int, seed: int, **kwargs) -> torch.Tensor:

@@ -68,22 +68,21 @@ class DraftNoise:
     noise: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     temperature: float
 
-    def choose(self, logits: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
-        """The sampled draft from a drafter's logits at each position.
+    def at(self, positions: torch.Tensor, token_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+        """The noise a drafter adds to its logits over the temperature.
 
         Args:
-            logits (`torch.Tensor` of shape `(b, S)` or `(b, n, S)`): over the vocabulary, or over the shortlist
-                `token_ids` (`(S,)`).
             positions (`torch.LongTensor` of shape `(b,)` or `(b, n)`): the position each draft takes.
+            token_ids (`torch.LongTensor` of shape `(S,)`, *optional*): the drafter's shortlist; `None`: the whole
+                vocabulary of `vocab_size` tokens.
 
         Returns:
-            `torch.LongTensor` of shape `(b, 1)` or `(b, n, 1)`: indices into `logits`' last dimension.
+            `torch.FloatTensor` of shape `(b, S)` or `(b, n, S)`.
         """
-        ids = torch.arange(logits.shape[-1], device=logits.device) if token_ids is None else token_ids
+        ids = torch.arange(vocab_size, device=positions.device) if token_ids is None else token_ids
         one_each = positions.dim() == 1
         noise = self.noise(positions[:, None] if one_each else positions, ids)  # (b, n, S)
-        perturbed = logits.float() / self.temperature + (noise[:, 0] if one_each else noise)
-        return perturbed.argmax(dim=-1, keepdim=True)
+        return noise[:, 0] if one_each else noise
 
 
 @dataclass

@@ -221,11 +221,11 @@ class FeatureDrafter(Drafter):
         if compiled and not cache.block_ready:
             cache.block, cache.block_ready = self._compiled_block(request, cache), True
         if compiled and cache.block is not None:
-            return self._draft_compiled(cache.block, request.sequences, verified, cache)
+            return self._draft_compiled(cache.block, request, verified, cache)
         if self.frontier:  # trees are grown by the drafting block, run eagerly when not compiled
             if cache.eager_block is None:
                 cache.eager_block = self._new_block(cache.projection)
-            return self._draft_compiled(cache.eager_block, request.sequences, verified, cache)
+            return self._draft_compiled(cache.eager_block, request, verified, cache)
         # the step's one host read: how many verified columns to take in, and how many drafts any row can use
         width, most_drafts = torch.stack([verified.num_valid.max(), request.max_drafts.max()]).tolist()
         # (b, d): the predicted state after each row's last verified token
@@ -278,13 +278,15 @@ class FeatureDrafter(Drafter):
     def _draft_compiled(
         self,
         block: CompiledModule | FeatureDraftBlock,
-        sequences: torch.Tensor,
+        request: DraftRequest,
         verified: VerifiedStates,
         cache: FeatureDraftCache,
     ) -> Drafts:
         """The step's take-in and drafts in one call of the drafting block (compiled, or the module itself); every
         row gets `block_size - 1` drafts or a whole tree (the feed cuts them to what each row may use), so nothing
-        is read back to the host."""
+        is read back to the host. A sampling call's chains draw on its noise, computed here for every draft's
+        position (the block takes it as an input: the seed changes with every call, the graph does not)."""
+        sequences = request.sequences
         states = verified.states.to(self.model.layer.out.weight.dtype)  # (b, W, d)
         # narrower chunks are zero-padded to the block size: one graph serves every step (padded columns are masked)
         width = max(states.shape[1], self.block_size)
@@ -293,9 +295,11 @@ class FeatureDrafter(Drafter):
         self._reserve(cache, states, needed=verified.start + width + room, rounding=sequences.shape[1])
         encoder = cache.encoder
         start = torch.tensor(verified.start, device=states.device)
+        noise, temperature = self._block_noise(request, cache)
         outputs = block(
             states, sequences, verified.num_valid, start, cache.keys, cache.values,
             *((None, None, None) if encoder is None else (encoder.keys, encoder.values, encoder.mask)),
+            noise, temperature,
         )  # fmt: skip
         if self.frontier:  # the block selected the tree
             tokens, parents = outputs
@@ -306,6 +310,17 @@ class FeatureDrafter(Drafter):
         if self.threshold is not None:
             lengths = (probabilities[..., 0] >= self.threshold).long().cumprod(dim=1).sum(dim=1)
         return self._drafts(tokens, probabilities, lengths)
+
+    def _block_noise(self, request: DraftRequest, cache: FeatureDraftCache) -> tuple[torch.Tensor | None, float]:
+        """The noise of a sampling call at each chain draft's position, `(b, block_size - 1, S)`, and its
+        temperature; `None` for greedy calls and trees."""
+        if request.sampling is None or self.frontier or self.branching > 1:
+            return None, 1.0
+        positions = request.lengths[:, None] + torch.arange(self.block_size - 1, device=request.lengths.device)
+        projection = cache.projection
+        token_ids = None if projection is None else projection.token_ids
+        vocab_size = self.model.base_model.get_output_embeddings().weight.shape[0]
+        return request.sampling.at(positions, token_ids, vocab_size), request.sampling.temperature
 
     def _reserve(self, cache: FeatureDraftCache, states: torch.Tensor, needed: int, rounding: int) -> None:
         """Fixed-capacity key/value buffers for the compiled block (capacity a multiple of `rounding`, the
@@ -377,9 +392,13 @@ class FeatureDrafter(Drafter):
         projection = cache.projection
         if projection is None:
             logits = output_projection_logits(self.model.base_model, predicted)  # (b, V)
-            return ranked_candidates(logits, None, self.branching, sampling, positions)
-        logits = F.linear(predicted.to(projection.weight.dtype), projection.weight, projection.bias)  # (b, S)
-        return ranked_candidates(logits, projection.token_ids, self.branching, sampling, positions)
+        else:
+            logits = F.linear(predicted.to(projection.weight.dtype), projection.weight, projection.bias)  # (b, S)
+        token_ids = None if projection is None else projection.token_ids
+        if sampling is None or positions is None or self.branching > 1:
+            return ranked_candidates(logits, token_ids, self.branching)
+        noise = sampling.at(positions, token_ids, logits.shape[-1])
+        return ranked_candidates(logits, token_ids, self.branching, noise, sampling.temperature)
 
     def _draft_next(
         self, predicted: torch.Tensor, token: torch.Tensor, cache: FeatureDraftCache, index: int, visible: torch.Tensor
@@ -461,6 +480,8 @@ class FeatureDraftBlock(nn.Module):
         encoder_keys: torch.Tensor | None,
         encoder_values: torch.Tensor | None,
         encoder_mask: torch.Tensor | None,
+        noise: torch.Tensor | None = None,
+        temperature: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """
         Args:
@@ -471,6 +492,9 @@ class FeatureDraftBlock(nn.Module):
             keys, values (`torch.Tensor` of shape `(b, H, C, d/H)`): the drafter's cache, written in place; slots
                 before `start` hold verified positions of every row, `C >= start + W + num_drafts`.
             encoder_keys, encoder_values, encoder_mask: the cross-attention memory, or `None`s without one.
+            noise (`torch.FloatTensor` of shape `(b, num_drafts, S)`, *optional*): a sampling call's noise at each
+                draft's position over the drafter's vocabulary (or shortlist); chains then draft `argmax(logits /
+                temperature + noise)` ([`ranked_candidates`]).
 
         Returns:
             tokens (`torch.LongTensor` of shape `(b, num_drafts, branching)`): each depth's best tokens, best first
@@ -493,8 +517,8 @@ class FeatureDraftBlock(nn.Module):
             return self._grow(predicted, lengths, filled, keys, values, encoder)
         tokens, probabilities = [], []
         for index in range(self.num_drafts):
-            ranked, probability = self._choose(predicted)  # (b, m), (b, m)
-            tokens.append(ranked)
+            ranked, probability = self._choose(predicted, None if noise is None else noise[:, index], temperature)
+            tokens.append(ranked)  # (b, m), with `probability` (b, m)
             probabilities.append(probability)
             token = ranked[:, 0]
             if index + 1 < self.num_drafts:
@@ -574,13 +598,16 @@ class FeatureDraftBlock(nn.Module):
         values.index_copy_(2, write, fresh.values)
         return layer(inputs, normed, AttentionMemory(keys, values, visible), encoder)
 
-    def _choose(self, predicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's `branching` best drafts from its predicted state `(b, d)`, with their probabilities."""
+    def _choose(
+        self, predicted: torch.Tensor, noise: torch.Tensor | None = None, temperature: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's `branching` best drafts from its predicted state `(b, d)`, with their probabilities (a chain's
+        token drawn on a sampling call's `noise`, `(b, S)`, when given)."""
         if self.weight is None:
             logits = output_projection_logits(self.base_model, predicted)  # (b, V)
-            return ranked_candidates(logits, None, self.branching)
+            return ranked_candidates(logits, None, self.branching, noise, temperature)
         logits = F.linear(predicted.to(self.weight.dtype), self.weight, self.bias)  # (b, S)
-        return ranked_candidates(logits, self.token_ids, self.branching)
+        return ranked_candidates(logits, self.token_ids, self.branching, noise, temperature)
 
 
 def merge_verified(entries: list[VerifiedStates]) -> VerifiedStates:

@@ -139,9 +139,14 @@ class HeadsDrafter(Drafter):
         shortlist if any, and their probabilities; a sampling call's chains draw on its noise at `positions`."""
         if projection is None:
             logits = output_projection_logits(self.model.base_model, head_states)
-            return ranked_candidates(logits, None, self.branching, sampling, positions)
-        logits = torch.nn.functional.linear(head_states.to(projection.weight.dtype), projection.weight, projection.bias)
-        return ranked_candidates(logits, projection.token_ids, self.branching, sampling, positions)
+        else:
+            weight, bias = projection.weight, projection.bias
+            logits = torch.nn.functional.linear(head_states.to(weight.dtype), weight, bias)
+        token_ids = None if projection is None else projection.token_ids
+        if sampling is None or positions is None or self.branching > 1:
+            return ranked_candidates(logits, token_ids, self.branching)
+        noise = sampling.at(positions, token_ids, logits.shape[-1])
+        return ranked_candidates(logits, token_ids, self.branching, noise, sampling.temperature)
 
     def _draft_sequentially(
         self,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_blockwise.drafters.base import DraftNoise, Drafts
+from hf_blockwise.drafters.base import Drafts
 
 
 def tree_candidates(num_drafts: int, branching: int, frontier: int) -> int:
@@ -131,15 +131,16 @@ def ranked_candidates(
     logits: torch.Tensor,
     token_ids: torch.Tensor | None,
     branching: int,
-    sampling: DraftNoise | None = None,
-    positions: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A drafter's `branching` best tokens and their probabilities, best first.
 
     Args:
         logits (`torch.Tensor` of shape `(..., S)`): over the vocabulary, or over a shortlist `token_ids` (`(S,)`).
-        sampling ([`DraftNoise`], *optional*): a sampling call's noise; with `branching` 1 the token is then the one
-            sampling would draw from these logits at `positions` (shape `logits.shape[:-1]`).
+        noise (`torch.FloatTensor` of the shape of `logits`, *optional*): a sampling call's noise at these logits'
+            positions ([`DraftNoise.at`]); with `branching` 1 the token is then `argmax(logits / temperature +
+            noise)`, the one sampling would draw from these logits.
 
     Returns:
         tokens (`torch.LongTensor` of shape `(..., branching)`) and probabilities (`torch.FloatTensor`, same shape);
@@ -147,10 +148,8 @@ def ranked_candidates(
     """
     probabilities = logits.float().softmax(dim=-1)
     if branching == 1:
-        if sampling is None or positions is None:
-            best = logits.argmax(dim=-1, keepdim=True)
-        else:
-            best = sampling.choose(logits, positions, token_ids)
+        scores = logits if noise is None else logits.float() / temperature + noise
+        best = scores.argmax(dim=-1, keepdim=True)
         top = probabilities.gather(-1, best)
     else:  # trees rank by the drafter's own probabilities, sampling or not
         top, best = probabilities.topk(branching, dim=-1)
