@@ -32,7 +32,7 @@ from hf_blockwise import (
 )
 from hf_blockwise.engine import CompileOptions
 from hf_blockwise.generation import step as step_module
-from hf_blockwise.generation.sampling import call_seed, perturbed_scores
+from hf_blockwise.generation.sampling import call_seed, perturbed_scores, shared_gumbel_noise
 
 # generate arguments, and the warpers transformers builds from them, in its order
 WARPERS = {
@@ -168,6 +168,23 @@ def test_drafters_draft_what_sampling_draws_on_the_calls_noise(tiny_models) -> N
                              blockwise_compile=engine, **kwargs)  # fmt: skip
             assert torch.equal(block.sequences, sampled)
             assert torch.equal(block.decoding_stats.accepted, eager.decoding_stats.accepted)  # the same drafts kept
+
+
+def test_the_noise_of_kept_tokens_alone_is_the_whole_vocabularys_noise_there() -> None:
+    """`perturbed_scores` hashes the noise of the tokens the warpers keep only: bit for bit the whole vocabulary's
+    noise at those tokens, `-inf` elsewhere; a drafter's candidates get the same draws (`DraftNoise.choose`)."""
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randn(3, 4, 500, generator=generator)
+    rows, positions = torch.tensor([0, 2, 5]), torch.randint(1, 40, (3, 4), generator=generator)
+    whole = scores + shared_gumbel_noise(11, rows, positions, 500)
+    assert torch.equal(perturbed_scores(scores, 11, rows, positions), whole)
+    warped = scores.masked_fill(torch.rand(3, 4, 500, generator=generator) < 0.9, float("-inf"))
+    assert torch.equal(
+        perturbed_scores(warped, 11, rows, positions), warped + shared_gumbel_noise(11, rows, positions, 500)
+    )
+    candidates = torch.randint(500, (3, 4, 7), generator=generator)  # per-row token ids broadcast against the keys
+    picked = shared_gumbel_noise(11, rows, positions, 0, candidates)
+    assert torch.equal(picked, shared_gumbel_noise(11, rows, positions, 500).gather(-1, candidates))
 
 
 def _first_tokens(base, rows: int, seed: int, **kwargs) -> torch.Tensor:

@@ -49,6 +49,10 @@ class VerifiedStates:
     num_valid: torch.Tensor
 
 
+# a sampling call's chain drafts are drawn among the drafter's most likely tokens only (`DraftNoise.choose`)
+SAMPLED_CANDIDATES = 32
+
+
 @dataclass(frozen=True)
 class DraftNoise:
     """How a sampling call (`do_sample=True`) draws its tokens, for drafters that draft what it would draw.
@@ -69,7 +73,7 @@ class DraftNoise:
     temperature: float
 
     def at(self, positions: torch.Tensor, token_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
-        """The noise a drafter adds to its logits over the temperature.
+        """The noise a drafter adds to its logits over the temperature, over its whole vocabulary (or shortlist).
 
         Args:
             positions (`torch.LongTensor` of shape `(b,)` or `(b, n)`): the position each draft takes.
@@ -83,6 +87,34 @@ class DraftNoise:
         one_each = positions.dim() == 1
         noise = self.noise(positions[:, None] if one_each else positions, ids)  # (b, n, S)
         return noise[:, 0] if one_each else noise
+
+    def choose(
+        self,
+        logits: torch.Tensor,
+        positions: torch.Tensor,
+        token_ids: torch.Tensor | None,
+        candidates: int = SAMPLED_CANDIDATES,
+    ) -> torch.Tensor:
+        """Each row's draft: `argmax(logits / temperature + noise)` over the drafter's `candidates` most likely
+        tokens, the token sampling would draw from the drafter's distribution unless it falls outside them (a draft
+        only proposes; hashing noise for a whole vocabulary at every draft of 16 rows cost more than the drafting).
+
+        Args:
+            logits (`torch.Tensor` of shape `(b, S)` or `(b, n, S)`): over the vocabulary, or the shortlist
+                `token_ids` (`(S,)`).
+            positions (`torch.LongTensor` of shape `(b,)` or `(b, n)`).
+
+        Returns:
+            `torch.LongTensor` of shape `(b, 1)` or `(b, n, 1)`: indices into `logits`' last dimension.
+        """
+        one_each = positions.dim() == 1
+        if one_each:
+            logits, positions = logits[:, None], positions[:, None]
+        top = logits.float().topk(min(candidates, logits.shape[-1]), dim=-1)  # (b, n, K)
+        ids = top.indices if token_ids is None else token_ids[top.indices]  # vocabulary ids, (b, n, K)
+        pick = (top.values / self.temperature + self.noise(positions, ids)).argmax(dim=-1, keepdim=True)
+        best = top.indices.gather(-1, pick)  # (b, n, 1)
+        return best[:, 0] if one_each else best
 
 
 @dataclass

@@ -37,6 +37,7 @@ from hf_blockwise.drafters.trees import (
     expanded_depths,
     ranked_candidates,
     ranked_tree,
+    sampled_candidate,
     select_tree_tensors,
 )
 from hf_blockwise.engine import CompiledModule, compiled_block
@@ -397,8 +398,7 @@ class FeatureDrafter(Drafter):
         token_ids = None if projection is None else projection.token_ids
         if sampling is None or positions is None or self.branching > 1:
             return ranked_candidates(logits, token_ids, self.branching)
-        noise = sampling.at(positions, token_ids, logits.shape[-1])
-        return ranked_candidates(logits, token_ids, self.branching, noise, sampling.temperature)
+        return sampled_candidate(logits, token_ids, sampling, positions)
 
     def _draft_next(
         self, predicted: torch.Tensor, token: torch.Tensor, cache: FeatureDraftCache, index: int, visible: torch.Tensor

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_blockwise.drafters.base import Drafts
+from hf_blockwise.drafters.base import SAMPLED_CANDIDATES, DraftNoise, Drafts
 
 
 def tree_candidates(num_drafts: int, branching: int, frontier: int) -> int:
@@ -140,20 +140,38 @@ def ranked_candidates(
         logits (`torch.Tensor` of shape `(..., S)`): over the vocabulary, or over a shortlist `token_ids` (`(S,)`).
         noise (`torch.FloatTensor` of the shape of `logits`, *optional*): a sampling call's noise at these logits'
             positions ([`DraftNoise.at`]); with `branching` 1 the token is then `argmax(logits / temperature +
-            noise)`, the one sampling would draw from these logits.
+            noise)` among the `SAMPLED_CANDIDATES` most likely, as [`DraftNoise.choose`] draws it.
 
     Returns:
         tokens (`torch.LongTensor` of shape `(..., branching)`) and probabilities (`torch.FloatTensor`, same shape);
         with `branching` 1 the token is the argmax (or the sampled token), as a chain drafter takes it.
     """
     probabilities = logits.float().softmax(dim=-1)
-    if branching == 1:
-        scores = logits if noise is None else logits.float() / temperature + noise
-        best = scores.argmax(dim=-1, keepdim=True)
+    if branching == 1 and noise is None:
+        best = logits.argmax(dim=-1, keepdim=True)
+        top = probabilities.gather(-1, best)
+    elif branching == 1:
+        likely = logits.float().topk(min(SAMPLED_CANDIDATES, logits.shape[-1]), dim=-1)  # (..., K)
+        pick = (likely.values / temperature + noise.gather(-1, likely.indices)).argmax(dim=-1, keepdim=True)
+        best = likely.indices.gather(-1, pick)
         top = probabilities.gather(-1, best)
     else:  # trees rank by the drafter's own probabilities, sampling or not
         top, best = probabilities.topk(branching, dim=-1)
     return (best if token_ids is None else token_ids[best]), top
+
+
+def sampled_candidate(
+    logits: torch.Tensor, token_ids: torch.Tensor | None, sampling: DraftNoise, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chain drafter's token in a sampling call ([`DraftNoise.choose`]) and its probability under the drafter, as
+    [`ranked_candidates`] returns them with `branching` 1.
+
+    Args:
+        logits (`torch.Tensor` of shape `(..., S)`), positions (`torch.LongTensor` of shape `logits.shape[:-1]`).
+    """
+    best = sampling.choose(logits, positions, token_ids)  # (..., 1)
+    probability = logits.float().softmax(dim=-1).gather(-1, best)
+    return (best if token_ids is None else token_ids[best]), probability
 
 
 def expanded_depths(num_drafts: int, branching: int, frontier: int, device: torch.device) -> torch.Tensor:
