@@ -102,7 +102,8 @@ class DraftNoise:
         Args:
             logits (`torch.Tensor` of shape `(b, S)` or `(b, n, S)`): over the vocabulary, or the shortlist
                 `token_ids` (`(S,)`).
-            positions (`torch.LongTensor` of shape `(b,)` or `(b, n)`).
+            positions (`torch.LongTensor` of shape `(b,)` or `(b, n)`): the position each draft takes.
+            candidates (`int`): how many of the drafter's most likely tokens the draft is drawn among.
 
         Returns:
             `torch.LongTensor` of shape `(b, 1)` or `(b, n, 1)`: indices into `logits`' last dimension.
