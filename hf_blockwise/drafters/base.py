@@ -65,7 +65,8 @@ class DraftNoise:
 
     Attributes:
         noise (`Callable[[torch.Tensor, torch.Tensor], torch.Tensor]`): positions `(b, n)` (each the length of the
-            prefix the token follows, decoder start included) and token ids `(S,)` -> the noise `(b, n, S)`.
+            prefix the token follows, decoder start included) and token ids, `(S,)` or per position `(b, n, S)` ->
+            the noise `(b, n, S)`.
         temperature (`float`): the call's temperature (1.0 without one); the other warpers are not applied.
     """
 
