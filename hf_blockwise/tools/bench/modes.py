@@ -41,7 +41,7 @@ MODE_NAMES = tuple(family + variant for family, variants in FAMILIES.items() for
 COMPILED_MODES = tuple(name for name in MODE_NAMES if name.endswith(COMPILED_SUFFIX))
 INT8_MODES = tuple(name for name in MODE_NAMES if name.removesuffix(COMPILED_SUFFIX).endswith(_INT8))
 # What a run shows unless told otherwise: the references (transformers' greedy, the engine's float32 and int8
-# greedy), CTranslate2, the fastest exact modes the README recommends, and the oracle (the ceiling of any drafter);
+# greedy), CTranslate2, the fastest exact modes (docs/guides/bench.md), and the oracle (the ceiling of any drafter);
 # `--modes all` runs every mode
 DEFAULT_MODES = (
     "greedy", "greedy_compiled", "greedy_int8_compiled", "heads_compiled", "feature_compiled", "composite_compiled",

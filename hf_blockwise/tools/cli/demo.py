@@ -57,7 +57,7 @@ def run_demo(
             the feature drafter when the model ships one, else the heads.
         compile (`bool`): decode blockwise through the compiled engine (`blockwise_compile=True`), compiled once
             before timing. With `int8` the greedy side is the engine's greedy too, "the int8 model's greedy output"
-            (the README's int8 contract), which drafting reproduces bit for bit.
+            (the int8 contract, docs/guides/int8.md), which drafting reproduces bit for bit.
         num_beams (`int`, *optional*): beams of both sides; by default the checkpoint's generation_config's.
 
     Returns:
@@ -157,7 +157,10 @@ def _side_by_side(
         ),
     }  # fmt: skip
     if engine_greedy:
-        print(f"{reference}: the compiled engine's int8 {reference}, the int8 model's reference output (README, int8)")
+        print(
+            f"{reference}: the compiled engine's int8 {reference}, the int8 model's reference output "
+            "(docs/guides/int8.md)"
+        )
         compile_modes({"greedy": runners["greedy"]}, batches[0], {"greedy"})
     if compile:
         print(
