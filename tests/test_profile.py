@@ -73,3 +73,6 @@ def test_profile_usage_errors_name_what_is_wrong(saved_model: str, capsys) -> No
     with pytest.raises(SystemExit):
         main(["profile", "divergences", "--model", f"{saved_model}/missing"])
     assert "no such directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["profile", "step", "--model", saved_model, "--source-file", f"{saved_model}/missing.txt"])
+    assert "--source-file" in capsys.readouterr().err

@@ -59,6 +59,9 @@ def run_profile_command(parser: argparse.ArgumentParser, args: argparse.Namespac
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
+    source_file = getattr(args, "source_file", None)
+    if source_file is not None and not os.path.isfile(source_file):  # before anything loads
+        parser.error(f"--source-file {source_file}: no such file (one source sentence per line, plain or gzip)")
     if args.question == "calls":
         loaded = load_model(model)
         _print_calls(loaded, args, threads)
@@ -71,7 +74,10 @@ def run_profile_command(parser: argparse.ArgumentParser, args: argparse.Namespac
         drafter = build_drafter(args.drafter, loaded, options)
     except ValueError as error:
         parser.error(str(error))
-    sources = (read_lines(args.source_file) if args.source_file else DEMO_SENTENCES)[: args.sentences]
+    try:
+        sources = (read_lines(source_file) if source_file else DEMO_SENTENCES)[: args.sentences]
+    except ValueError as error:  # not UTF-8: the file, line and byte, and the iconv command
+        parser.error(str(error))
     weights = "int8" if args.int8 else "float32 base, int8 drafter" if args.int8_drafter else "float32"
     print(f"{model}, {len(sources)} sentences, batch 1, {threads} threads, {weights}, drafter {args.drafter}, "
           f"k = {drafter.block_size}" + (", compiled engine" if args.compiled else ", eager"))  # fmt: skip
