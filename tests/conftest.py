@@ -92,6 +92,25 @@ def word_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
 
+def save_with_random_heads(
+    directory: Path, architecture: str = "marian", generation: dict | None = None, **save_kwargs
+) -> PreTrainedModel:
+    """A tiny model saved in `directory` with a word tokenizer and random (often wrong) proposal heads, k = 3, whose
+    config names the base as "."; `generation` sets its generation_config first (default: no `max_length`, so the
+    checkpoint's length comes from transformers' defaults). Returns the base, for drafters saved beside it."""
+    from hf_blockwise import BlockwiseHeadsConfig, BlockwiseHeadsModel
+
+    base = build_model(architecture, seed=3)
+    for name, value in (generation or {"max_length": None}).items():
+        setattr(base.generation_config, name, value)
+    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3))
+    torch.nn.init.normal_(model.heads.down.weight, std=1.0)
+    base.save_pretrained(directory)
+    word_tokenizer().save_pretrained(directory)
+    model.save_pretrained(directory, base_model_name_or_path=".", **save_kwargs)
+    return base
+
+
 TRAINING = Path(__file__).resolve().parent.parent / "training"
 
 

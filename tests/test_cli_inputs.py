@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_model, word_tokenizer
+from conftest import build_model, save_with_random_heads, word_tokenizer
 
 from hf_blockwise import BlockwiseHeadsConfig, BlockwiseHeadsModel
 from hf_blockwise.corpus import generate_corpus, plan_batches
@@ -33,14 +33,7 @@ def random_sources(count: int, seed: int) -> list[str]:
 def model_dir(tmp_path_factory) -> Path:
     """A tiny Marian with a word tokenizer and random heads, saved with a generation_config of max_new_tokens 5."""
     directory = tmp_path_factory.mktemp("model")
-    base = build_model("marian", seed=3)
-    base.generation_config.max_length = None
-    base.generation_config.max_new_tokens = CHECKPOINT_LIMIT
-    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3))
-    torch.nn.init.normal_(model.heads.down.weight, std=1.0)
-    base.save_pretrained(directory)
-    word_tokenizer().save_pretrained(directory)
-    model.save_pretrained(directory, base_model_name_or_path=".")
+    save_with_random_heads(directory, generation={"max_length": None, "max_new_tokens": CHECKPOINT_LIMIT})
     return directory
 
 

@@ -17,10 +17,9 @@ from typing import Any
 
 import datasets
 import pytest
-import torch
-from conftest import build_model, word_tokenizer
+from conftest import build_model, save_with_random_heads, word_tokenizer
 
-from hf_blockwise import BlockwiseHeadsConfig, BlockwiseHeadsModel, FeatureDrafterConfig, FeatureDrafterModel
+from hf_blockwise import BlockwiseHeadsModel, FeatureDrafterConfig, FeatureDrafterModel
 from hf_blockwise import boundary as hf
 from hf_blockwise.corpus import generate_corpus, plan_batches, read_sources
 from hf_blockwise.corpus.job import CorpusJob, run_job
@@ -42,13 +41,7 @@ def random_sources(count: int, seed: int) -> list[str]:
 def model_dir(tmp_path_factory) -> Path:
     """A tiny Marian with a word tokenizer, random proposal heads (often wrong) and an untrained feature drafter."""
     directory = tmp_path_factory.mktemp("model")
-    base = build_model("marian", seed=3)
-    base.generation_config.max_length = None
-    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3))
-    torch.nn.init.normal_(model.heads.down.weight, std=1.0)
-    base.save_pretrained(directory)
-    word_tokenizer().save_pretrained(directory)
-    model.save_pretrained(directory, base_model_name_or_path=".")
+    base = save_with_random_heads(directory)
     FeatureDrafterModel(base, FeatureDrafterConfig(block_size=4)).save_pretrained(
         directory / "feature-drafter", base_model_name_or_path=".."
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_model, word_tokenizer
+from conftest import build_model, save_with_random_heads, word_tokenizer
 from datasets import Dataset
 
 from hf_blockwise import (
@@ -52,13 +52,7 @@ def test_distill_dataset_adds_a_column(tmp_path) -> None:
 
 
 def test_demo_runs_offline_on_a_saved_directory(tmp_path, capsys) -> None:
-    base, tokenizer = build_model("marian", seed=3), word_tokenizer()
-    base.generation_config.max_length = None
-    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3))
-    torch.nn.init.normal_(model.heads.down.weight, std=1.0)
-    base.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    model.save_pretrained(tmp_path, base_model_name_or_path=".", dtype=torch.float16)
+    base = save_with_random_heads(tmp_path, dtype=torch.float16)
     assert json.loads((tmp_path / "blockwise_config.json").read_text())["base_model_name_or_path"] == "."
 
     assert (
@@ -99,12 +93,7 @@ EVERY_KIND_OF_MODE = (
 
 def checkpoint_with_every_drafter(checkpoint: Path) -> None:
     """A tiny BART saved with its tokenizer, heads, and the drafters the bench finds beside a model."""
-    base, tokenizer = build_model("bart", seed=3), word_tokenizer()
-    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3))
-    torch.nn.init.normal_(model.heads.down.weight, std=1.0)
-    base.save_pretrained(checkpoint)
-    tokenizer.save_pretrained(checkpoint)
-    model.save_pretrained(checkpoint, base_model_name_or_path=".")
+    base = save_with_random_heads(checkpoint, "bart", generation={"max_length": 64})  # build_model's length kept
     # a drafter shipped beside the model is found by the gad modes without --nar-drafter
     NARDrafterModel.from_verifier(base, mask_token_id=2, block_size=4).save_pretrained(checkpoint / "nar-drafter")
     # so are a feature drafter and sequential heads (saved naming the base as the folder above)

@@ -4,10 +4,8 @@ same functions, whose engine is tested in test_engine.py)."""
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import build_model, word_tokenizer
+from conftest import save_with_random_heads
 
-from hf_blockwise import BlockwiseHeadsConfig, BlockwiseHeadsModel
 from hf_blockwise.generation import loop, step
 from hf_blockwise.tools import profile
 from hf_blockwise.tools.cli import main
@@ -17,13 +15,7 @@ from hf_blockwise.tools.cli import main
 def saved_model(tmp_path_factory) -> str:
     """A tiny Marian with trained-looking (random, non-zero) heads and a word tokenizer, saved."""
     folder = tmp_path_factory.mktemp("profiled")
-    base, tokenizer = build_model("marian", seed=3), word_tokenizer()
-    base.generation_config.max_length = None
-    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3))
-    torch.nn.init.normal_(model.heads.down.weight, std=1.0)
-    base.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    model.save_pretrained(folder, base_model_name_or_path=".")
+    save_with_random_heads(folder)
     (folder / "sources.txt").write_text("w5 w6 w7\nw9 w10\nw4 w8 w8 w11\n")
     return str(folder)
 
