@@ -49,7 +49,7 @@ class VerifiedStates:
     num_valid: torch.Tensor
 
 
-# a sampling call's chain drafts are drawn among the drafter's most likely tokens only (`DraftNoise.choose`)
+# a sampling call's chain drafts are drawn among the drafter's most likely tokens only (`draw_among_likely`)
 SAMPLED_CANDIDATES = 32
 
 
@@ -89,22 +89,14 @@ class DraftNoise:
         noise = self.noise(positions[:, None] if one_each else positions, ids)  # (b, n, S)
         return noise[:, 0] if one_each else noise
 
-    def choose(
-        self,
-        logits: torch.Tensor,
-        positions: torch.Tensor,
-        token_ids: torch.Tensor | None,
-        candidates: int = SAMPLED_CANDIDATES,
-    ) -> torch.Tensor:
-        """Each row's draft: `argmax(logits / temperature + noise)` over the drafter's `candidates` most likely
-        tokens, the token sampling would draw from the drafter's distribution unless it falls outside them (a draft
-        only proposes; hashing noise for a whole vocabulary at every draft of 16 rows cost more than the drafting).
+    def choose(self, logits: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
+        """Each row's draft, drawn by [`draw_among_likely`] with the noise hashed for its candidates only (hashing a
+        whole vocabulary at every draft of 16 rows cost more than the drafting).
 
         Args:
             logits (`torch.Tensor` of shape `(b, S)` or `(b, n, S)`): over the vocabulary, or the shortlist
                 `token_ids` (`(S,)`).
             positions (`torch.LongTensor` of shape `(b,)` or `(b, n)`): the position each draft takes.
-            candidates (`int`): how many of the drafter's most likely tokens the draft is drawn among.
 
         Returns:
             `torch.LongTensor` of shape `(b, 1)` or `(b, n, 1)`: indices into `logits`' last dimension.
@@ -112,11 +104,33 @@ class DraftNoise:
         one_each = positions.dim() == 1
         if one_each:
             logits, positions = logits[:, None], positions[:, None]
-        top = logits.float().topk(min(candidates, logits.shape[-1]), dim=-1)  # (b, n, K)
-        ids = top.indices if token_ids is None else token_ids[top.indices]  # vocabulary ids, (b, n, K)
-        pick = (top.values / self.temperature + self.noise(positions, ids)).argmax(dim=-1, keepdim=True)
-        best = top.indices.gather(-1, pick)  # (b, n, 1)
+
+        def noise_of(index: torch.Tensor) -> torch.Tensor:  # (b, n, K) indices into the logits -> their noise
+            return self.noise(positions, index if token_ids is None else token_ids[index])
+
+        best = draw_among_likely(logits, self.temperature, noise_of)  # (b, n, 1)
         return best[:, 0] if one_each else best
+
+
+def draw_among_likely(
+    logits: torch.Tensor, temperature: float, noise_of: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """A sampling call's chain draft: `argmax(logits / temperature + noise)` over the `SAMPLED_CANDIDATES` most
+    likely tokens, the token sampling would draw from the drafter's distribution unless it falls outside them (a
+    draft only proposes). The eager drafters and the compiled drafting block draw through this one function.
+
+    Args:
+        logits (`torch.Tensor` of shape `(..., S)`): the drafter's logits.
+        temperature (`float`): the call's temperature.
+        noise_of (`Callable[[torch.Tensor], torch.Tensor]`): indices into `logits`' last dimension, `(..., K)` ->
+            the call's noise of those tokens at these logits' positions.
+
+    Returns:
+        `torch.LongTensor` of shape `(..., 1)`: indices into `logits`' last dimension.
+    """
+    likely = logits.float().topk(min(SAMPLED_CANDIDATES, logits.shape[-1]), dim=-1)  # (..., K)
+    pick = (likely.values / temperature + noise_of(likely.indices)).argmax(dim=-1, keepdim=True)
+    return likely.indices.gather(-1, pick)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_blockwise.drafters.base import SAMPLED_CANDIDATES, DraftNoise, Drafts
+from hf_blockwise.drafters.base import DraftNoise, Drafts, draw_among_likely
 
 
 def tree_candidates(num_drafts: int, branching: int, frontier: int) -> int:
@@ -139,8 +139,8 @@ def ranked_candidates(
     Args:
         logits (`torch.Tensor` of shape `(..., S)`): over the vocabulary, or over a shortlist `token_ids` (`(S,)`).
         noise (`torch.FloatTensor` of the shape of `logits`, *optional*): a sampling call's noise at these logits'
-            positions ([`DraftNoise.at`]); with `branching` 1 the token is then `argmax(logits / temperature +
-            noise)` among the `SAMPLED_CANDIDATES` most likely, as [`DraftNoise.choose`] draws it.
+            positions ([`DraftNoise.at`]); with `branching` 1 the token is then drawn by [`draw_among_likely`], as
+            the eager drafters draw it ([`DraftNoise.choose`]).
 
     Returns:
         tokens (`torch.LongTensor` of shape `(..., branching)`) and probabilities (`torch.FloatTensor`, same shape);
@@ -151,9 +151,7 @@ def ranked_candidates(
         best = logits.argmax(dim=-1, keepdim=True)
         top = probabilities.gather(-1, best)
     elif branching == 1:
-        likely = logits.float().topk(min(SAMPLED_CANDIDATES, logits.shape[-1]), dim=-1)  # (..., K)
-        pick = (likely.values / temperature + noise.gather(-1, likely.indices)).argmax(dim=-1, keepdim=True)
-        best = likely.indices.gather(-1, pick)
+        best = draw_among_likely(logits, temperature, lambda index: noise.gather(-1, index))
         top = probabilities.gather(-1, best)
     else:  # trees rank by the drafter's own probabilities, sampling or not
         top, best = probabilities.topk(branching, dim=-1)
