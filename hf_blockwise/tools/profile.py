@@ -82,12 +82,15 @@ def call_cost_rows(
     max_tokens: int = 8,
     repeats: int = 20,
     sentence: str = CAPTION,
+    int8: nn.Module | None = None,
 ) -> list[CallCostRow]:
-    """The cost curve of each kind of call ([`decoder_cost_curve`]); the int8 kinds time a quantized copy."""
+    """The cost curve of each kind of call ([`decoder_cost_curve`]); the int8 kinds time `int8`, a quantized copy of
+    `base` (made here when not given)."""
     unknown = sorted(set(kinds) - set(CALL_KINDS))
     if unknown:
         raise ValueError(f"unknown call kinds {unknown}; the kinds are {list(CALL_KINDS)}")
-    int8 = quantize_dynamic_int8(copy.deepcopy(base)) if any(kind.startswith("int8") for kind in kinds) else None
+    if int8 is None and any(kind.startswith("int8") for kind in kinds):
+        int8 = quantize_dynamic_int8(copy.deepcopy(base))
     rows = []
     for kind in kinds:
         model = int8 if kind.startswith("int8") else base

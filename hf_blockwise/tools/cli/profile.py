@@ -104,9 +104,10 @@ def _print_calls(loaded: LoadedModel, args: argparse.Namespace, threads: int) ->
     from_memory, from_cache = profile.bandwidth_gb_s(400), profile.bandwidth_gb_s(4, repeats=50)
     print(f"{args.model or REALISTIC_MODEL}, batch 1, {threads} threads; streaming bandwidth measured here: "
           f"{from_memory:.1f} GB/s from memory (400 MB), {from_cache:.1f} GB/s from cache (4 MB)")  # fmt: skip
-    rows = profile.call_cost_rows(loaded.base, loaded.tokenizer, args.kinds, args.max_tokens, args.repeats)
+    needs_int8 = args.torch_profile or any(kind.startswith("int8") for kind in args.kinds)
+    int8 = quantize_dynamic_int8(copy.deepcopy(loaded.base)) if needs_int8 else None  # one copy for both
+    rows = profile.call_cost_rows(loaded.base, loaded.tokenizer, args.kinds, args.max_tokens, args.repeats, int8=int8)
     print(profile.call_cost_table(rows, from_memory, from_cache))
-    if args.torch_profile:
-        int8 = quantize_dynamic_int8(copy.deepcopy(loaded.base))
+    if args.torch_profile:  # int8 made above
         print("\nWhere a compiled int8 call of 3 tokens spends its time (20 calls; divide by 20 for one):\n")
         print("```\n" + profile.profile_compiled_call(int8, loaded.tokenizer) + "\n```")
