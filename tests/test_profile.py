@@ -58,13 +58,15 @@ def test_divergences_and_call_costs_are_reported(saved_model: str, capsys) -> No
         profile.call_cost_rows(None, None, ["int4 eager"])
 
 
-def test_profile_usage_errors_name_what_is_wrong(saved_model: str, capsys) -> None:
+def test_profile_usage_errors_name_what_is_wrong(saved_model: str, tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         main(["profile", "step", "--model", saved_model, "--drafter", "feature"])
     assert "drafter 'feature'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["profile", "divergences", "--model", f"{saved_model}/missing"])
     assert "no such directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="holds no tokenizer"):
+        main(["profile", "calls", "--model", str(tmp_path)])
     with pytest.raises(SystemExit):
         main(["profile", "step", "--model", saved_model, "--source-file", f"{saved_model}/missing.txt"])
     assert "--source-file" in capsys.readouterr().err

@@ -13,7 +13,7 @@ from hf_blockwise import quantize_dynamic_int8
 from hf_blockwise.loading import DRAFTER_NAMES, REALISTIC_MODEL, DrafterOptions, LoadedModel, build_drafter, load_model
 from hf_blockwise.text_files import read_lines
 from hf_blockwise.tools import profile
-from hf_blockwise.tools.cli.arguments import check_shipped_model, positive_int
+from hf_blockwise.tools.cli.arguments import check_shipped_model, positive_int, require_tokenizer
 from hf_blockwise.tools.cli.demo import DEMO_SENTENCES
 
 
@@ -55,6 +55,7 @@ def run_profile_command(parser: argparse.ArgumentParser, args: argparse.Namespac
     check_shipped_model(parser, model)
     if not os.path.isdir(model):
         parser.error(f"--model {model}: no such directory (a saved seq2seq model with its tokenizer)")
+    require_tokenizer(model)  # as the demo and the bench: transformers' own error names no tokenizer
     transformers_logging.set_verbosity_error()
     if args.threads:
         torch.set_num_threads(args.threads)
