@@ -74,8 +74,9 @@ import torch.fx.experimental._config as fx_config
 from torch import nn
 
 from hf_blockwise import boundary as hf
-from hf_blockwise.fixed_order import GraphProducts, fixed_order_backend
-from hf_blockwise.quantization import refresh_int8
+from hf_blockwise.fixed_order import GraphProducts, inductor_backend
+from hf_blockwise.fixed_order import own_products as own_products_pass
+from hf_blockwise.quantization import is_int8, refresh_int8
 from hf_blockwise.snapshot import TensorSnapshot
 
 # static cache buffers are rounded up to this many positions, so that calls of similar lengths share their shape
@@ -128,12 +129,21 @@ class CompileOptions:
         fixed_order_linears (`bool`, defaults to `False`): on CPU, float `linear`s computed by inductor's own loops
             too ([`fixed_order.own_products`]), so that a float32 engine keeps the one-arithmetic contract (int8
             linears are exact either way); slower: ~1.4x a float32 call on the 2-core EPYC.
+        gemm_template (`bool`, defaults to `True`): on CPU with `freezing`, float `linear`s through inductor's C++
+            GEMM template (`max_autotune` restricted to the `"CPP"` backend: weights packed at freezing, inductor's
+            own micro-kernels) instead of oneDNN and MKL. A call of a few rows is bound by reading the weights;
+            measured on the 2-core AMD EPYC (Zen 4), the libraries read them at ~10 GB/s there, the template at
+            the ~31 GB/s the machine streams from memory: a one-token float32 call of `marian-base-en-de` 6.2 ms
+            against 10.3 ms. Modules with int8 linears keep the libraries (the template has no `_int_mm`), and so
+            does a `linear` it cannot take (a weight that is no constant of the graph): dynamo's graph is checked
+            before inductor sees it ([`template_linears_only`]).
     """
 
     backend: str = "inductor"
     mode: str | None = None
     freezing: bool = True
     fixed_order_linears: bool = False
+    gemm_template: bool = True
 
     @classmethod
     def coerce(cls, value: bool | CompileOptions | None) -> CompileOptions | None:
@@ -204,11 +214,13 @@ class CompiledModule:
         options ([`CompileOptions`]).
         owner (`nn.Module`): the model whose weights `module` uses (or derives buffers from): the snapshot that
             tells a stale graph ([`WeightsSnapshot`]) is taken of it.
-        own_products (`bool`): on CPU with inductor, compile through [`fixed_order.fixed_order_backend`] (the
-            verification forward: one arithmetic); drafting blocks, whose bits decide nothing, keep the libraries.
+        own_products (`bool`): on CPU with inductor, run [`fixed_order.own_products`] on each graph (the
+            verification forward: one arithmetic); drafting blocks, whose bits decide nothing, keep the libraries'
+            attention. Either goes through [`fixed_order.inductor_backend`], on the GEMM template where
+            `options.gemm_template` holds and nothing is int8.
 
     Attributes:
-        graph_products (`list[GraphProducts]`): one report per graph compiled through the fixed-order backend.
+        graph_products (`list[GraphProducts]`): one report per graph compiled through that backend.
     """
 
     def __init__(
@@ -227,8 +239,12 @@ class CompiledModule:
         self.freezing = options.freezing and options.backend == "inductor" and mode != "reduce-overhead"
         module.forward = types.MethodType(own_code(type(module).forward), module)
         backend: Any = options.backend
-        if own_products and options.backend == "inductor" and device.type == "cpu" and mode is None:
-            backend = fixed_order_backend(options.fixed_order_linears, self.graph_products.append)
+        cpu_inductor = options.backend == "inductor" and device.type == "cpu" and mode is None
+        # the template has no int8 product: a module with int8 linears (or reading an int8 base) keeps the libraries
+        template = cpu_inductor and self.freezing and options.gemm_template and not (is_int8(owner) or is_int8(module))
+        if cpu_inductor and (own_products or template):
+            own = functools.partial(own_products_pass, own_linears=options.fixed_order_linears)
+            backend = inductor_backend(own if own_products else None, template, self.graph_products.append)
         self._compiled = torch.compile(module, backend=backend, mode=None if callable(backend) else mode, dynamic=True)
 
     def __call__(self, *args: Any) -> Any:
@@ -277,8 +293,10 @@ class CompiledDecoder:
     def products(self) -> GraphProducts:
         """The float products of the graphs compiled so far, by kind: those computed in an order the graphs own, and
         those left to library kernels (their bits depend on the row count; none where the contract is claimed)."""
-        merged = GraphProducts()
-        for report in self._compiled.graph_products:
+        reports = self._compiled.graph_products
+        kernels = [report.linear_kernels for report in reports]  # the libraries, where any graph is on them
+        merged = GraphProducts(linear_kernels=next((kind for kind in kernels if kind != "template"), "template"))
+        for report in reports:
             for kind, count in report.owned.items():
                 merged.owned[kind] = merged.owned.get(kind, 0) + count
             for kind, count in report.library.items():

@@ -126,10 +126,13 @@ class GraphProducts:
         owned (`dict[str, int]`): products now computed in the graph's own loops, by kind.
         library (`dict[str, int]`): float products left to library kernels, by kind (their bits depend on the row
             count); empty where the graph owns every float product.
+        linear_kernels (`str`): what computes the `linear`s left to kernels: `"template"` (inductor's C++ GEMM
+            template), or `"libraries"` (oneDNN, MKL; with the reason where the template was asked for).
     """
 
     owned: dict[str, int] = field(default_factory=dict)
     library: dict[str, int] = field(default_factory=dict)
+    linear_kernels: str = "libraries"
 
 
 def _is_float(node: fx.Node) -> bool:
@@ -196,20 +199,56 @@ def own_products(graph_module: fx.GraphModule, own_linears: bool = False) -> Gra
     return report
 
 
-def fixed_order_backend(
-    own_linears: bool, record: Callable[[GraphProducts], None]
+def inductor_backend(
+    transform: Callable[[fx.GraphModule], GraphProducts] | None,
+    gemm_template: bool,
+    record: Callable[[GraphProducts], None],
 ) -> Callable[[fx.GraphModule, Sequence[torch.Tensor]], Callable[..., Any]]:
-    """A `torch.compile` backend: [`own_products`] on each graph dynamo hands over, then inductor (`compile_fx`,
-    reading inductor's config as it is when the graph compiles).
+    """A `torch.compile` backend: `transform` (such as [`own_products`]) on each graph dynamo hands over, then
+    inductor (`compile_fx`, reading inductor's config as it is when the graph compiles), on inductor's C++ GEMM
+    template for float `linear`s where asked.
 
     Args:
-        own_linears (`bool`): passed to [`own_products`].
+        transform (`Callable[[fx.GraphModule], GraphProducts]`, *optional*): rewrites the graph in place and reports
+            its products; `None` leaves the graph as dynamo traced it.
+        gemm_template (`bool`): compile with `max_autotune` restricted to the `"CPP"` GEMM backend (packed weights,
+            inductor's micro-kernels). A graph with a product the template cannot take (inductor finds no choice for
+            it) compiles again on the libraries; its report says so ([`GraphProducts.linear_kernels`]).
         record (`Callable[[GraphProducts], None]`): given each graph's report.
     """
-    from torch._inductor.compile_fx import compile_fx  # inductor loads on first compilation, not with the engine
+    import torch._inductor.config  # inductor loads on first compilation, not with the engine
+    from torch._inductor.compile_fx import compile_fx
 
     def backend(graph_module: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable[..., Any]:
-        record(own_products(graph_module, own_linears))
+        report = GraphProducts() if transform is None else transform(graph_module)
+        record(report)
+        if gemm_template:
+            try:
+                with torch._inductor.config.patch(max_autotune=True, max_autotune_gemm_backends="CPP"):
+                    compiled = compile_fx(graph_module, list(example_inputs))
+            except Exception as error:  # inductor wraps its errors: only "no choice for a product" is handled
+                reason = _template_refusal(error)
+                if reason is None:
+                    raise
+                report.linear_kernels = f"libraries (the GEMM template took no choice: {reason})"
+            else:
+                report.linear_kernels = "template"
+                return compiled
         return compile_fx(graph_module, list(example_inputs))
 
     return backend
+
+
+def _template_refusal(error: BaseException) -> str | None:
+    """The message of the `NoValidChoicesError` behind an inductor error (inductor wraps it in a lowering error,
+    wrapped again in its own), or `None` where the error is another."""
+    from torch._inductor.select_algorithm import NoValidChoicesError
+
+    seen: BaseException | None = error
+    for _depth in range(8):
+        if seen is None:
+            return None
+        if isinstance(seen, NoValidChoicesError):
+            return str(seen).split(". ")[0]
+        seen = getattr(seen, "inner_exception", None) or seen.__cause__ or seen.__context__
+    return None
