@@ -3,8 +3,10 @@
 Decoding a few tokens per call on a CPU is bound by moving the weights, not by arithmetic, and eager PyTorch adds
 two costs on top: its float32 `linear` for a few rows goes through kernels that re-read the weights per row, and
 each of the decoder's few hundred small ops pays its own dispatch. The engine compiles transformers' own decoder
-forward (no modeling code of ours) with inductor: on CPU with `freezing`, so the weights are prepacked for oneDNN
-and a call that feeds 8 tokens costs about what one costs; on CUDA with mode `reduce-overhead` (CUDA graphs).
+forward (no modeling code of ours) with inductor: on CPU with `freezing`, so the weights are packed once and a call
+that feeds 8 tokens costs about what one costs, its float linears on inductor's C++ GEMM template (the libraries
+read a few rows' weights at a third of the memory's speed on the EPYC: [`CompileOptions.gemm_template`]); on CUDA
+with mode `reduce-overhead` (CUDA graphs).
 
 What keeps the compiled graph from recompiling during a call:
 
@@ -21,13 +23,14 @@ What keeps the compiled graph from recompiling during a call:
 One arithmetic for every call of a decode. A token's logits must not depend on how many tokens its call feeds, or
 a verification call of k tokens could round differently from greedy's one-token calls. Library kernels choose their
 path by the call's shape and the machine (gemv for one row, small-matrix kernels, split K; other thresholds on each
-CPU vendor), so on CPU the engine compiles through [`fixed_order.fixed_order_backend`]: attention's products (and
+CPU vendor), so on CPU the engine compiles through [`fixed_order.inductor_backend`]: attention's products (and
 any float `matmul`) become inductor loops whose reduction order is fixed by the generated code, the same for every
 feed width and batch size. With int8 linears (exact int32 sums) every product of the decoder is then exact or in an
 order the graph owns, and a k-token call computes bit for bit what k one-token calls compute, on any CPU: the int8
 engine's greedy (`blockwise_compile=True`, no assistant) *is* the int8 model's greedy output, and every drafter
-reproduces it by construction. float32 `linear`s stay on oneDNN's prepacked kernels (inductor's loops cost ~1.4x a
-call on the 2-core EPYC), so a float32 engine is exact up to near-ties ([`first_divergence`]), unless
+reproduces it by construction. float32 `linear`s run on inductor's GEMM template, whose code (not ours) orders
+their sums (inductor's plain loops cost ~1.4x a call on the 2-core EPYC), so a float32 engine is exact up to
+near-ties ([`first_divergence`]), unless
 `CompileOptions(fixed_order_linears=True)` owns them too. A decode of b rows that shrinks to one row moves to the
 batch-1 graph; the generated kernels give a row the same bits in both.
 
@@ -125,7 +128,7 @@ class CompileOptions:
         mode (`str`, *optional*): the `torch.compile` mode; `None` picks `"reduce-overhead"` (CUDA graphs) on CUDA
             and the default on CPU.
         freezing (`bool`, defaults to `True`): inductor's freezing on CPU: weights become constants of the graph,
-            prepacked for oneDNN (the gain on CPU). The graph then holds its own copy of the weights.
+            packed for the GEMM template or oneDNN (the gain on CPU). The graph then holds its own copy of the weights.
         fixed_order_linears (`bool`, defaults to `False`): on CPU, float `linear`s computed by inductor's own loops
             too ([`fixed_order.own_products`]), so that a float32 engine keeps the one-arithmetic contract (int8
             linears are exact either way); slower: ~1.4x a float32 call on the 2-core EPYC.
@@ -218,13 +221,20 @@ class CompiledModule:
             verification forward: one arithmetic); drafting blocks, whose bits decide nothing, keep the libraries'
             attention. Either goes through [`fixed_order.inductor_backend`], on the GEMM template where
             `options.gemm_template` holds and nothing is int8.
+        int8 (`bool`, *optional*): whether the graph has int8 linears (they keep the libraries); by default, whether
+            `module` holds one (the decoder's step holds its model weakly: its engine says).
 
     Attributes:
         graph_products (`list[GraphProducts]`): one report per graph compiled through that backend.
     """
 
     def __init__(
-        self, module: nn.Module, options: CompileOptions, owner: nn.Module, own_products: bool = False
+        self,
+        module: nn.Module,
+        options: CompileOptions,
+        owner: nn.Module,
+        own_products: bool = False,
+        int8: bool | None = None,
     ) -> None:
         device = next(owner.parameters()).device
         check_compile_available(device, options)
@@ -240,8 +250,9 @@ class CompiledModule:
         module.forward = types.MethodType(own_code(type(module).forward), module)
         backend: Any = options.backend
         cpu_inductor = options.backend == "inductor" and device.type == "cpu" and mode is None
-        # the template has no int8 product: a module with int8 linears (or reading an int8 base) keeps the libraries
-        template = cpu_inductor and self.freezing and options.gemm_template and not (is_int8(owner) or is_int8(module))
+        # the template has no int8 product: a graph of int8 linears keeps the libraries
+        int8 = is_int8(module) if int8 is None else int8
+        template = cpu_inductor and self.freezing and options.gemm_template and not int8
         if cpu_inductor and (own_products or template):
             own = functools.partial(own_products_pass, own_linears=options.fixed_order_linears)
             backend = inductor_backend(own if own_products else None, template, self.graph_products.append)
@@ -282,7 +293,7 @@ class CompiledDecoder:
         self.position_limit = hf.decoder_position_limit(model)
         self.num_layers = hf.decoder_layer_count(model)
         self._step = _DecoderStep(model)
-        self._compiled = CompiledModule(self._step, options, model, own_products=True)
+        self._compiled = CompiledModule(self._step, options, model, own_products=True, int8=is_int8(model))
         self.weights = self._compiled.weights  # the model's weights as the graph freezes them
         self.freezing = self._compiled.freezing
         self.compiled_calls = 0

@@ -219,6 +219,32 @@ def test_a_compiled_call_leaves_no_global_config_changed() -> None:
     assert torch._inductor.config.freezing == inductor_before["freezing"]
 
 
+class _LinearThenProduct(torch.nn.Module):
+    """A linear (the GEMM template takes it: its weight is a constant of the frozen graph), then, with `other`, a
+    product of two activations (the template takes none: no constant operand)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, inputs: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.linear(inputs)
+        return hidden if other is None else hidden @ other
+
+
+def test_linears_compile_on_the_gemm_template_and_a_product_it_cannot_take_on_the_libraries_said() -> None:
+    """`CompileOptions.gemm_template`: a graph whose products the template takes compiles on it; one with a product
+    it cannot take compiles on the libraries, and its report says why; both compute what the module computes."""
+    torch.manual_seed(0)
+    inputs, other = torch.randn(3, 8), torch.randn(8, 5)
+    for extra, expected in (((), "template"), ((other,), "libraries (the GEMM template took no choice")):
+        module = _LinearThenProduct().eval()
+        compiled = engine_module.CompiledModule(module, CompileOptions(), module)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(inputs, *extra), module(inputs, *extra))
+        assert [report.linear_kernels[: len(expected)] for report in compiled.graph_products] == [expected]
+
+
 def test_compiled_forwards_come_back_in_the_stats_and_the_harness_counts_them(compiled_models) -> None:
     model = compiled_models["marian"]
     batch = random_batch(model, 3, seed=15)

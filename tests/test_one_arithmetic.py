@@ -91,9 +91,10 @@ def test_int8_calls_and_drafting_are_bitwise_those_of_one_token_calls(architectu
             drafted = model.generate(**batch, assistant=drafter, **kwargs)
             assert torch.equal(drafted, greedy), (batch_size, block_size, corruption)
     # the probe ran for each kind of decode here, rows finishing apart (three rows left with one) included
-    verdicts = compiled_decoder(model, CompileOptions()).verdicts
-    assert set(verdicts) == {("one row", False), ("several rows", False), ("several rows, then one", False)}
-    assert all(verdict.claimed and verdict.bitwise for verdict in verdicts.values())
+    engine = compiled_decoder(model, CompileOptions())
+    assert set(engine.verdicts) == {("one row", False), ("several rows", False), ("several rows, then one", False)}
+    assert all(verdict.claimed and verdict.bitwise for verdict in engine.verdicts.values())
+    assert engine.products().linear_kernels == "libraries"  # the GEMM template has no int8 product
 
 
 def test_float32_with_fixed_order_linears_is_bitwise() -> None:
@@ -110,10 +111,11 @@ def test_float32_with_fixed_order_linears_is_bitwise() -> None:
     assert compiled_decoder(model, options).products().library == {}
 
 
-def test_a_float32_engine_leaves_its_linears_to_libraries_and_claims_nothing() -> None:
+def test_a_float32_engine_leaves_its_linears_to_the_gemm_template_and_claims_nothing() -> None:
     """The graph pass owns attention in every engine, float32 `linear`s only when asked: a float32 engine with
-    library linears makes no bitwise claim (its probe warns of nothing: the docs say float32 is exact up to
-    near-ties). The int8 engines' claims and verdicts: `test_int8_calls_and_drafting_are_bitwise_...`."""
+    its linears on inductor's GEMM template (the default) or the libraries makes no bitwise claim (its probe warns
+    of nothing: the docs say float32 is exact up to near-ties). The int8 engines' claims and verdicts, on oneDNN:
+    `test_int8_calls_and_drafting_are_bitwise_...`."""
     kwargs = {"custom_generate": blockwise_generate, "max_new_tokens": 8, "blockwise_compile": True}
     model = build_model("bart")
     batch = random_batch(model, 1, seed=0)
@@ -124,6 +126,7 @@ def test_a_float32_engine_leaves_its_linears_to_libraries_and_claims_nothing() -
     engine = compiled_decoder(model, CompileOptions())
     products = engine.products()
     assert "attention" in products.owned and set(products.library) == {"linear"}
+    assert products.linear_kernels == "template"
     assert not engine.owns_products() and not engine.verdicts[("one row", False)].claimed
 
 
