@@ -137,9 +137,10 @@ class CompileOptions:
             own micro-kernels) instead of oneDNN and MKL. A call of a few rows is bound by reading the weights;
             measured on the 2-core AMD EPYC (Zen 4), the libraries read them at ~10 GB/s there, the template at
             the ~31 GB/s the machine streams from memory: a one-token float32 call of `marian-base-en-de` 6.2 ms
-            against 10.3 ms. Modules with int8 linears keep the libraries (the template has no `_int_mm`), and so
-            does a `linear` it cannot take (a weight that is no constant of the graph): dynamo's graph is checked
-            before inductor sees it ([`template_linears_only`]).
+            against 10.3 ms. Graphs of one sequence only: the verification graph of a batch (and every graph of
+            int8 linears: the template has no `_int_mm`) keeps the libraries (measured: batch 16 ran 7-14% slower
+            on the template); a graph with a product the template cannot take compiles on the libraries, its report
+            says so ([`fixed_order.inductor_backend`]).
     """
 
     backend: str = "inductor"
@@ -220,7 +221,7 @@ class CompiledModule:
         own_products (`bool`): on CPU with inductor, run [`fixed_order.own_products`] on each graph (the
             verification forward: one arithmetic); drafting blocks, whose bits decide nothing, keep the libraries'
             attention. Either goes through [`fixed_order.inductor_backend`], on the GEMM template where
-            `options.gemm_template` holds and nothing is int8.
+            `options.gemm_template` holds, nothing is int8 and the compiling call says `few_rows`.
         int8 (`bool`, *optional*): whether the graph has int8 linears (they keep the libraries); by default, whether
             `module` holds one (the decoder's step holds its model weakly: its engine says).
 
@@ -252,21 +253,25 @@ class CompiledModule:
         cpu_inductor = options.backend == "inductor" and device.type == "cpu" and mode is None
         # the template has no int8 product: a graph of int8 linears keeps the libraries
         int8 = is_int8(module) if int8 is None else int8
-        template = cpu_inductor and self.freezing and options.gemm_template and not int8
-        if cpu_inductor and (own_products or template):
+        self.template = cpu_inductor and self.freezing and options.gemm_template and not int8
+        if cpu_inductor and (own_products or self.template):
             own = functools.partial(own_products_pass, own_linears=options.fixed_order_linears)
-            backend = inductor_backend(own if own_products else None, template, self.graph_products.append)
+            backend = inductor_backend(own if own_products else None, self.graph_products.append)
         self._compiled = torch.compile(module, backend=backend, mode=None if callable(backend) else mode, dynamic=True)
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, few_rows: bool = True) -> Any:
+        """The compiled module on `args`; a call that compiles a graph compiles it on the GEMM template where the
+        module takes it and `few_rows` says the graph's calls feed one sequence's rows (measured on the EPYC: the
+        template reads 1-4 rows' weights at 2-3x the libraries' speed, and a batch of 16 ran 7-14% slower on it)."""
         # inductor reads `freezing` from its global config when it compiles (torch.compile's options= do not reach
         # that decision), so it is set for the call only and restored after it. Duck shaping is off for the same
         # span: it would give sizes that happen to be equal when a graph is traced (a first call of 3 rows feeding
         # 3 columns) one symbol, and every later call where they differ would compile again
         # Python floats (attention's scale) are constants of the graph: traced as symbols, they made dynamo restart
         # its analysis once per graph (measured: ~12% of a tiny decoder's compile time)
+        template = {"max_autotune": True, "max_autotune_gemm_backends": "CPP"} if self.template and few_rows else {}
         with (
-            torch._inductor.config.patch(freezing=self.freezing),
+            torch._inductor.config.patch(freezing=self.freezing, **template),
             fx_config.patch(use_duck_shape=False),
             torch._dynamo.config.patch(specialize_float=True),
         ):
@@ -305,8 +310,8 @@ class CompiledDecoder:
         """The float products of the graphs compiled so far, by kind: those computed in an order the graphs own, and
         those left to library kernels (their bits depend on the row count; none where the contract is claimed)."""
         reports = self._compiled.graph_products
-        kernels = [report.linear_kernels for report in reports]  # the libraries, where any graph is on them
-        merged = GraphProducts(linear_kernels=next((kind for kind in kernels if kind != "template"), "template"))
+        kernels = dict.fromkeys(report.linear_kernels for report in reports)  # each kind once, in order
+        merged = GraphProducts(linear_kernels=", ".join(kernels) or "libraries")
         for report in reports:
             for kind, count in report.owned.items():
                 merged.owned[kind] = merged.owned.get(kind, 0) + count
@@ -366,7 +371,10 @@ class CompiledDecoder:
         if padded > width:  # filler columns are hidden by causal attention; see MIN_FEED_WIDTH
             tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, padded - width)], dim=1)
         tree = None if tree is None else tree.padded_to(padded)
-        logits, states = self._compiled(tokens, cache, forward_kwargs, *self._tree_inputs(cache, cache_length, tree))
+        # the batch-1 graph (dynamo specializes a size of 1) on the GEMM template, the batches' on the libraries
+        logits, states = self._compiled(
+            tokens, cache, forward_kwargs, *self._tree_inputs(cache, cache_length, tree), few_rows=tokens.shape[0] == 1
+        )
         self.compiled_calls += 1
         return logits[:, :width], states[:, :width]
 

@@ -127,7 +127,8 @@ class GraphProducts:
         library (`dict[str, int]`): float products left to library kernels, by kind (their bits depend on the row
             count); empty where the graph owns every float product.
         linear_kernels (`str`): what computes the `linear`s left to kernels: `"template"` (inductor's C++ GEMM
-            template), or `"libraries"` (oneDNN, MKL; with the reason where the template was asked for).
+            template), or `"libraries"` (oneDNN, MKL; with the reason where the template was asked for and took no
+            choice); an engine's merged report names each its graphs use, in order.
     """
 
     owned: dict[str, int] = field(default_factory=dict)
@@ -200,41 +201,41 @@ def own_products(graph_module: fx.GraphModule, own_linears: bool = False) -> Gra
 
 
 def inductor_backend(
-    transform: Callable[[fx.GraphModule], GraphProducts] | None,
-    gemm_template: bool,
-    record: Callable[[GraphProducts], None],
+    transform: Callable[[fx.GraphModule], GraphProducts] | None, record: Callable[[GraphProducts], None]
 ) -> Callable[[fx.GraphModule, Sequence[torch.Tensor]], Callable[..., Any]]:
     """A `torch.compile` backend: `transform` (such as [`own_products`]) on each graph dynamo hands over, then
-    inductor (`compile_fx`, reading inductor's config as it is when the graph compiles), on inductor's C++ GEMM
-    template for float `linear`s where asked.
+    inductor (`compile_fx`, reading inductor's config as it is when the graph compiles).
+
+    Where that config asks for inductor's C++ GEMM template alone (`max_autotune` with `max_autotune_gemm_backends`
+    `"CPP"`, as the engine sets it around a call), a graph with a product the template cannot take (inductor finds
+    no choice for it: a product of two activations, an int8 product) compiles again on the libraries, and its
+    report says so ([`GraphProducts.linear_kernels`]).
 
     Args:
         transform (`Callable[[fx.GraphModule], GraphProducts]`, *optional*): rewrites the graph in place and reports
             its products; `None` leaves the graph as dynamo traced it.
-        gemm_template (`bool`): compile with `max_autotune` restricted to the `"CPP"` GEMM backend (packed weights,
-            inductor's micro-kernels). A graph with a product the template cannot take (inductor finds no choice for
-            it) compiles again on the libraries; its report says so ([`GraphProducts.linear_kernels`]).
         record (`Callable[[GraphProducts], None]`): given each graph's report.
     """
-    import torch._inductor.config  # inductor loads on first compilation, not with the engine
+    import torch._inductor.config as inductor_config  # inductor loads on first compilation, not with the engine
     from torch._inductor.compile_fx import compile_fx
 
     def backend(graph_module: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable[..., Any]:
         report = GraphProducts() if transform is None else transform(graph_module)
         record(report)
-        if gemm_template:
-            try:
-                with torch._inductor.config.patch(max_autotune=True, max_autotune_gemm_backends="CPP"):
-                    compiled = compile_fx(graph_module, list(example_inputs))
-            except Exception as error:  # inductor wraps its errors: only "no choice for a product" is handled
-                reason = _template_refusal(error)
-                if reason is None:
-                    raise
-                report.linear_kernels = f"libraries (the GEMM template took no choice: {reason})"
-            else:
-                report.linear_kernels = "template"
-                return compiled
-        return compile_fx(graph_module, list(example_inputs))
+        if not (inductor_config.max_autotune and inductor_config.max_autotune_gemm_backends == "CPP"):
+            return compile_fx(graph_module, list(example_inputs))
+        try:
+            compiled = compile_fx(graph_module, list(example_inputs))
+        except Exception as error:  # inductor wraps its errors: only "no choice for a product" is handled
+            reason = _template_refusal(error)
+            if reason is None:
+                raise
+        else:
+            report.linear_kernels = "template"
+            return compiled
+        report.linear_kernels = f"libraries (the GEMM template took no choice: {reason})"
+        with inductor_config.patch(max_autotune=False):
+            return compile_fx(graph_module, list(example_inputs))
 
     return backend
 

@@ -113,9 +113,9 @@ def test_float32_with_fixed_order_linears_is_bitwise() -> None:
 
 def test_a_float32_engine_leaves_its_linears_to_the_gemm_template_and_claims_nothing() -> None:
     """The graph pass owns attention in every engine, float32 `linear`s only when asked: a float32 engine with
-    its linears on inductor's GEMM template (the default) or the libraries makes no bitwise claim (its probe warns
-    of nothing: the docs say float32 is exact up to near-ties). The int8 engines' claims and verdicts, on oneDNN:
-    `test_int8_calls_and_drafting_are_bitwise_...`."""
+    its linears on inductor's GEMM template (the default, for the batch-1 graph) or the libraries (a batch's graph)
+    makes no bitwise claim (its probe warns of nothing: the docs say float32 is exact up to near-ties). The int8
+    engines' claims and verdicts, on oneDNN: `test_int8_calls_and_drafting_are_bitwise_...`."""
     kwargs = {"custom_generate": blockwise_generate, "max_new_tokens": 8, "blockwise_compile": True}
     model = build_model("bart")
     batch = random_batch(model, 1, seed=0)
@@ -123,10 +123,11 @@ def test_a_float32_engine_leaves_its_linears_to_the_gemm_template_and_claims_not
     with warnings.catch_warnings():
         warnings.simplefilter("error", OneArithmeticWarning)
         model.generate(**batch, assistant=OracleDrafter(greedy, block_size=3, corruption=0.5), **kwargs)
+    model.generate(**random_batch(model, 3, seed=1), **kwargs)  # a batch: its graph keeps the libraries' linears
     engine = compiled_decoder(model, CompileOptions())
     products = engine.products()
     assert "attention" in products.owned and set(products.library) == {"linear"}
-    assert products.linear_kernels == "template"
+    assert products.linear_kernels == "template, libraries"  # the batch-1 graph's, then the batch's
     assert not engine.owns_products() and not engine.verdicts[("one row", False)].claimed
 
 
