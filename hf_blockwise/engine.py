@@ -28,9 +28,9 @@ any float `matmul`) become inductor loops whose reduction order is fixed by the 
 feed width and batch size. With int8 linears (exact int32 sums) every product of the decoder is then exact or in an
 order the graph owns, and a k-token call computes bit for bit what k one-token calls compute, on any CPU: the int8
 engine's greedy (`blockwise_compile=True`, no assistant) *is* the int8 model's greedy output, and every drafter
-reproduces it by construction. float32 `linear`s run on inductor's GEMM template, whose code (not ours) orders
-their sums (inductor's plain loops cost ~1.4x a call on the 2-core EPYC), so a float32 engine is exact up to
-near-ties ([`first_divergence`]), unless
+reproduces it by construction. float32 `linear`s run on inductor's GEMM template (the batch-1 graph) or the
+libraries (a batch's), whose code (not ours) orders their sums (inductor's plain loops cost ~1.4x a call on the
+2-core EPYC), so a float32 engine is exact up to near-ties ([`first_divergence`]), unless
 `CompileOptions(fixed_order_linears=True)` owns them too. A decode of b rows that shrinks to one row moves to the
 batch-1 graph; the generated kernels give a row the same bits in both.
 

@@ -14,13 +14,14 @@ inductor compiles into loops of its own. A generated kernel is one piece of code
 compiles with dynamic shapes): each output element is reduced in an order fixed by that code and by the element's
 own reduction length, never by how many other rows the call has. With int8 linears (exact int32 sums) every product
 of the decoder is then either exact or computed in an order we own, and a k-token call computes bit for bit what
-k one-token calls compute, at any batch size, on any CPU inductor compiles for. [`fixed_order_backend`] is the
+k one-token calls compute, at any batch size, on any CPU inductor compiles for. [`inductor_backend`] is the
 `torch.compile` backend that runs the pass before inductor; the engine's probe (`engine.py`) still checks the
 result on the machine, once per engine.
 
-What stays with the libraries is reported, not hidden: float32 `linear`s (unless asked for, they cost ~1.4x a
-call's time in inductor's loops on the 2-core EPYC), and any product the pass does not recognise; a graph that keeps
-one is row-count dependent, and the engine then makes no bitwise claim for it.
+What stays with kernels we do not write is reported, not hidden: float32 `linear`s (unless asked for, they cost
+~1.4x a call's time in inductor's loops on the 2-core EPYC; they run on inductor's C++ GEMM template or on the
+libraries, [`GraphProducts.linear_kernels`]), and any product the pass does not recognise; a graph that keeps one
+is row-count dependent as far as we can promise, and the engine then makes no bitwise claim for it.
 """
 
 from __future__ import annotations
