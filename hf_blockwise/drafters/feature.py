@@ -34,10 +34,10 @@ from hf_blockwise.drafters.base import Drafter, DraftNoise, DraftRequest, Drafts
 from hf_blockwise.drafters.heads import ShortlistProjection
 from hf_blockwise.drafters.trees import (
     check_tree_options,
+    drafted_candidates,
     expanded_depths,
     ranked_candidates,
     ranked_tree,
-    sampled_candidate,
     select_tree_tensors,
 )
 from hf_blockwise.engine import CompiledModule, compiled_block
@@ -396,9 +396,7 @@ class FeatureDrafter(Drafter):
         else:
             logits = F.linear(predicted.to(projection.weight.dtype), projection.weight, projection.bias)  # (b, S)
         token_ids = None if projection is None else projection.token_ids
-        if sampling is None or positions is None or self.branching > 1:
-            return ranked_candidates(logits, token_ids, self.branching)
-        return sampled_candidate(logits, token_ids, sampling, positions)
+        return drafted_candidates(logits, token_ids, self.branching, sampling, positions)
 
     def _draft_next(
         self, predicted: torch.Tensor, token: torch.Tensor, cache: FeatureDraftCache, index: int, visible: torch.Tensor

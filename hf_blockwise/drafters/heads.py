@@ -10,7 +10,7 @@ from torch import nn
 
 from hf_blockwise.boundary import check_same_projection, output_projection_logits, shortlist_projection
 from hf_blockwise.drafters.base import Drafter, DraftNoise, DraftRequest, Drafts
-from hf_blockwise.drafters.trees import check_tree_options, ranked_candidates, ranked_tree, sampled_candidate
+from hf_blockwise.drafters.trees import check_tree_options, drafted_candidates, ranked_tree
 
 
 class HeadsModel(Protocol):
@@ -143,9 +143,7 @@ class HeadsDrafter(Drafter):
             weight, bias = projection.weight, projection.bias
             logits = torch.nn.functional.linear(head_states.to(weight.dtype), weight, bias)
         token_ids = None if projection is None else projection.token_ids
-        if sampling is None or positions is None or self.branching > 1:
-            return ranked_candidates(logits, token_ids, self.branching)
-        return sampled_candidate(logits, token_ids, sampling, positions)
+        return drafted_candidates(logits, token_ids, self.branching, sampling, positions)
 
     def _draft_sequentially(
         self,

@@ -147,26 +147,33 @@ def ranked_candidates(
         with `branching` 1 the token is the argmax (or the sampled token), as a chain drafter takes it.
     """
     probabilities = logits.float().softmax(dim=-1)
-    if branching == 1 and noise is None:
-        best = logits.argmax(dim=-1, keepdim=True)
-        top = probabilities.gather(-1, best)
-    elif branching == 1:
-        best = draw_among_likely(logits, temperature, lambda index: noise.gather(-1, index))
-        top = probabilities.gather(-1, best)
-    else:  # trees rank by the drafter's own probabilities, sampling or not
+    if branching > 1:  # trees rank by the drafter's own probabilities, sampling or not
         top, best = probabilities.topk(branching, dim=-1)
+    else:
+        if noise is None:
+            best = logits.argmax(dim=-1, keepdim=True)
+        else:
+            best = draw_among_likely(logits, temperature, lambda index: noise.gather(-1, index))
+        top = probabilities.gather(-1, best)
     return (best if token_ids is None else token_ids[best]), top
 
 
-def sampled_candidate(
-    logits: torch.Tensor, token_ids: torch.Tensor | None, sampling: DraftNoise, positions: torch.Tensor
+def drafted_candidates(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor | None,
+    branching: int,
+    sampling: DraftNoise | None = None,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A chain drafter's token in a sampling call ([`DraftNoise.choose`]) and its probability under the drafter, as
-    [`ranked_candidates`] returns them with `branching` 1.
+    """An eager drafter's candidates from its logits: [`ranked_candidates`], or in a sampling call a chain's token
+    ([`DraftNoise.choose`], the noise hashed for its likely tokens only) and its probability under the drafter.
 
     Args:
-        logits (`torch.Tensor` of shape `(..., S)`), positions (`torch.LongTensor` of shape `logits.shape[:-1]`).
+        logits (`torch.Tensor` of shape `(..., S)`), positions (`torch.LongTensor` of shape `logits.shape[:-1]`,
+            *optional*): where each draft goes, for `sampling`.
     """
+    if sampling is None or positions is None or branching > 1:
+        return ranked_candidates(logits, token_ids, branching)
     best = sampling.choose(logits, positions, token_ids)  # (..., 1)
     probability = logits.float().softmax(dim=-1).gather(-1, best)
     return (best if token_ids is None else token_ids[best]), probability
