@@ -144,6 +144,28 @@ def test_beam_modes_parse_their_beams_and_compare_with_transformers_beam_search(
     assert names == ["greedy", "beam2", "beam4", "feature_compiled_b4", "loop_b2"]
 
 
+def test_sampling_modes_parse_and_compare_with_the_loops_undrafted_sampling() -> None:
+    """`_sample` last: transformers' own sampling (`greedy_sample`) and assisted sampling are compared with nothing
+    (another random stream); the loop's drafting modes with its undrafted sampling, eager (`loop_sample`) or through
+    the engine (`greedy_compiled_sample`, itself compared with `loop_sample` and run after it)."""
+    references = {
+        "greedy_sample": None, "assisted_sample": None, "loop_sample": None, "greedy_compiled_sample": "loop_sample",
+        "feature_sample": "loop_sample", "heads_k3_sample": "loop_sample",
+        "feature_compiled_sample": "greedy_compiled_sample", "feature_k4_n10_compiled_sample": "greedy_compiled_sample",
+    }  # fmt: skip
+    for name, reference in references.items():
+        mode = Mode.parse(name)
+        assert (mode.sample, mode.reference, mode.num_beams) == (True, reference, 1), name
+    assert Mode.parse("feature_k4_n10_compiled_sample").tree_nodes == 10 and not Mode.parse("feature").sample
+    for name in ("feature_int8_sample", "beam4_sample", "ct2_sample", "feature_b4_sample", "loop_sample_sample"):
+        with pytest.raises(ValueError, match="a _sample suffix follows a float32 chain or tree mode"):
+            Mode.parse(name)
+    base = build_model("marian")
+    setup = BenchSetup(LoadedModel(base=base, tokenizer=None, feature_model=FeatureDrafterModel(base)))
+    names = [mode.name for mode in available_modes(setup, ["feature_compiled_sample", "greedy_sample"])]
+    assert names == ["greedy", "loop_sample", "greedy_compiled_sample", "feature_compiled_sample", "greedy_sample"]
+
+
 @pytest.mark.parametrize(
     "name",
     [

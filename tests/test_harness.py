@@ -263,6 +263,28 @@ def test_the_bench_runs_beam_search_modes_against_transformers_beam_search(tmp_p
     assert rows["loop_b4", 1]["mean_accepted"] == 1.0 and rows["feature_b4", 1]["mean_accepted"] >= 1.0
 
 
+def test_the_bench_samples_with_drafts_as_without_and_beside_transformers_sampling(tmp_path, capsys) -> None:
+    """`_sample` modes at the bench's temperature and top-p, seeded alike per batch: the feature drafter's sampling
+    is the loop's undrafted sampling on every sentence (batch 1 and 2); transformers' sampling and assisted sampling
+    (batch 1 only) run beside them, compared with nothing; sampling is not greedy's output."""
+    out = tmp_path / "bench"
+    model = str(Path(__file__).parents[1] / "hf_blockwise" / "pretrained" / "multi30k-en-de")
+    arguments = ["bench", "--model", model, "--sentences", "4", "--batch-sizes", "1", "2", "--max-new-tokens", "24",
+                 "--assistant-model", model, "--temperature", "1.5", "--top-p", "0.95"]  # fmt: skip
+    modes = ["greedy", "greedy_sample", "assisted_sample", "loop_sample", "feature_sample"]
+    assert main([*arguments, "--modes", *modes, "--out", str(out)]) == 0
+    capsys.readouterr()
+    report = json.loads((out / "bench.json").read_text())
+    assert (report["settings"]["temperature"], report["settings"]["top_p"]) == (1.5, 0.95)
+    rows = {(row["mode"], row["batch_size"]): row for row in report["results"]}
+    for batch_size in (1, 2):
+        assert rows["feature_sample", batch_size]["identical_rate"] == 1.0
+        assert rows["loop_sample", batch_size]["identical_rate"] is None
+        assert rows["greedy_sample", batch_size]["identical_rate"] is None
+    assert ("assisted_sample", 2) not in rows and rows["assisted_sample", 1]["identical_rate"] is None
+    assert rows["loop_sample", 1]["target_tokens"] != rows["greedy", 1]["target_tokens"]  # at 1.5, not greedy's
+
+
 def test_beam_outputs_are_padded_after_their_end_as_greedy_pads() -> None:
     """Beam search fills a finished row with EOS where the pad id is 0: the bench counts those as padding."""
     config = SimpleNamespace(eos_token_id=2, pad_token_id=0)

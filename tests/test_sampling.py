@@ -5,6 +5,8 @@ the warped distribution (chi-square over thousands of rows; a mutation that shar
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from conftest import OracleDrafter, random_batch
@@ -231,3 +233,65 @@ def test_beam_sampling_is_refused_by_name(tiny_models) -> None:
     batch = random_batch(base, 1, seed=0)
     with pytest.raises(ValueError, match="do_sample=True selects 'beam_sample'"):
         base.generate(**batch, do_sample=True, num_beams=2, custom_generate=blockwise_generate, max_new_tokens=4)
+
+
+def _rows_ending_apart(base, batch: dict, max_new_tokens: int) -> list[int]:
+    """Stop tokens (besides EOS) that greedy search emits early in some rows, chosen so that the rows end at as many
+    different steps as there are rows (a row ends at its first stop token; greedy's earlier tokens do not change)."""
+    free_running = base.generate(**batch, max_new_tokens=max_new_tokens)[:, 1:].tolist()
+    candidates = sorted({token for row in free_running for token in row})
+    for pair in itertools.combinations(candidates, 2):
+        eos = {*pair, base.config.eos_token_id}
+        ends = {next((i for i, token in enumerate(row) if token in eos), len(row)) for row in free_running}
+        if len(ends) == len(free_running):
+            return sorted(eos)
+    raise AssertionError("no stop tokens end these rows apart")
+
+
+@pytest.mark.parametrize("architecture", ["bart", "t5"])  # the tiny Marian repeats one token
+def test_output_scores_are_the_searchs_scores_and_nan_after_a_rows_end(tiny_models, architecture: str) -> None:
+    """`output_scores=True` through the loop with drafts (right most of the time): greedy search's processed scores
+    of every generated token, and sampling's warped ones (transformers' greedy search on the warpers and the shared
+    noise scores them perturbed: the same once the noise is taken off); NaN where a row has ended and transformers
+    scores the padding it feeds. Up to float: a verification call sums in another order than one-token calls."""
+    base = tiny_models[architecture]
+    batch = random_batch(base, 3, seed=7)
+    eos = _rows_ending_apart(base, batch, 14)
+    kwargs = {"max_new_tokens": 14, "eos_token_id": eos, "return_dict_in_generate": True, "output_scores": True}
+    pad = base.generation_config.pad_token_id
+    for sample in (False, True):
+        seed, arguments, warpers = 8, *WARPERS["top_k"]
+        torch.manual_seed(seed)
+        noise = SharedNoise(call_seed())
+        processors = LogitsProcessorList([*warpers, noise] if sample else [])
+        expected = base.generate(**batch, **kwargs, do_sample=False, logits_processor=processors,
+                                 **(arguments if sample else {}))  # fmt: skip
+        lengths = (expected.sequences[:, 1:] != pad).sum(dim=1)
+        assert sample or len(set(lengths.tolist())) == 3, "rows end at different steps"
+        drafter = OracleDrafter(expected.sequences, block_size=4, corruption=0.3, seed=seed)
+        torch.manual_seed(seed)
+        output = base.generate(**batch, **kwargs, do_sample=sample, custom_generate=blockwise_generate,
+                               assistant=drafter, **(arguments if sample else {}))  # fmt: skip
+        assert torch.equal(output.sequences, expected.sequences)
+        assert len(output.scores) == len(expected.scores) == int(lengths.max())
+        for step, (scores, reference) in enumerate(zip(output.scores, expected.scores, strict=True)):
+            live = step < lengths  # (b,)
+            assert torch.isnan(scores[~live]).all() and not torch.isnan(scores[live]).any(), step
+            if sample:  # the reference's kept tokens carry the noise of their row and position
+                positions = torch.full((3, 1), step + 1)
+                reference = (
+                    reference - shared_gumbel_noise(noise.seed, torch.arange(3), positions, reference.shape[-1])[:, 0]
+                )
+            finite = torch.isfinite(reference[live])
+            assert torch.equal(torch.isfinite(scores[live]), finite), step
+            scale = float(reference[live][finite].abs().max())  # T5's scores reach ~80
+            torch.testing.assert_close(scores[live][finite], reference[live][finite], atol=2e-5 * scale, rtol=0)
+
+
+def test_output_scores_with_trees_are_refused_by_name(tiny_models) -> None:
+    base = tiny_models["marian"]
+    batch = random_batch(base, 1, seed=0)
+    tree = RandomTreeDrafter(base.generate(**batch, max_new_tokens=6), 4, 7, 1.0, 0)
+    with pytest.raises(ValueError, match="output_scores=True is not supported with a drafter of trees"):
+        base.generate(**batch, custom_generate=blockwise_generate, assistant=tree, max_new_tokens=6,
+                      return_dict_in_generate=True, output_scores=True)  # fmt: skip

@@ -7,6 +7,9 @@ automatic-speech-recognition and image-text-to-text pipelines as clients of the 
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -230,12 +233,6 @@ def test_whisper_long_form_is_exact_segment_by_segment(media_models) -> None:
 @pytest.mark.parametrize(
     "options, message",
     [
-        (
-            {"temperature": (0.0, 0.2, 0.4), "compression_ratio_threshold": 1.2},
-            r"Temperature fallback \(compression_ratio_threshold=1.2\) is not supported",
-        ),
-        ({"temperature": (0.0, 0.2), "logprob_threshold": -1.0}, r"Temperature fallback \(logprob_threshold=-1.0\)"),
-        ({"temperature": 0.2}, r"do_sample=True: sampling through blockwise decoding covers text encoders"),
         ({"condition_on_prev_tokens": True, "return_timestamps": True}, r"condition_on_prev_tokens=True"),
     ],
 )
@@ -246,6 +243,93 @@ def test_whisper_modes_that_are_not_greedy_are_refused(media_models, options: di
         model.generate(**inputs, **options, max_new_tokens=8, custom_generate=blockwise_generate)
     plain = model.generate(**inputs, **options, max_new_tokens=8)  # its own generate still works
     assert plain.shape[0] == 2
+
+
+def _transcripts(tokens: torch.Tensor, pad_token_id: int) -> list[list[int]]:
+    """Each row's tokens without the padding after it (rows of a batch end at different lengths)."""
+    return [[token for token in row.tolist() if token != pad_token_id] for row in tokens]
+
+
+def _scoring_greedy_search(
+    model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False, streamer=None,
+    scores: list | None = None, **model_kwargs,
+):  # fmt: skip
+    """transformers' greedy search as a `custom_generate` that appends its per-step scores to `scores` (Whisper's
+    short-form `generate` with `return_dict_in_generate` returns fewer rows than it decodes in transformers 5.23)."""
+    config = copy.copy(generation_config)
+    config.output_scores = config.return_dict_in_generate = True
+    output = GenerationMixin._sample(
+        model, input_ids, logits_processor, stopping_criteria, config, synced_gpus, streamer, **model_kwargs
+    )
+    scores.append((output.sequences, output.scores))
+    return output.sequences
+
+
+def _average_logprobs(model, inputs: dict, **kwargs) -> torch.Tensor:
+    """Each row's average log-probability of its first window's greedy tokens, as Whisper's fallback computes it for
+    `logprob_threshold` (no row ends early here: checked)."""
+    searches: list = []
+    model.generate(**inputs, **kwargs, max_new_tokens=12, custom_generate=_scoring_greedy_search, scores=searches)
+    sequences, step_scores = searches[0]  # the first search decodes every row's first window
+    assert sequences.shape[0] == inputs["input_features"].shape[0]
+    scores = torch.stack(step_scores, dim=1)  # (b, T, V)
+    tokens = sequences[:, -scores.shape[1] :]
+    assert not (tokens == model.generation_config.eos_token_id).any(), "every row decodes its 12 tokens"
+    return scores.log_softmax(dim=-1).gather(-1, tokens[..., None]).squeeze(-1).mean(dim=1)  # (b,)
+
+
+def _recording_search(
+    model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False, streamer=None,
+    search=None, searches: list | None = None, **model_kwargs,
+):  # fmt: skip
+    """`search` (transformers' `_sample`, or the loop) as a `custom_generate` that appends each search's mode and
+    whole decoder sequences to `searches`: Whisper's fallback runs one search per window and temperature."""
+    output = search(
+        model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
+    )
+    sequences = output if isinstance(output, torch.Tensor) else output.sequences
+    searches.append((generation_config.do_sample, generation_config.temperature, sequences))
+    return output
+
+
+def _fallback(model, inputs: dict, kwargs: dict, search) -> tuple[list[list[int]], list]:
+    """Whisper's fallback with `search` decoding each window, under one seed: the transcripts and the searches."""
+    searches: list = []
+    torch.manual_seed(3)
+    tokens = model.generate(**inputs, **kwargs, custom_generate=_recording_search, search=search, searches=searches)
+    return _transcripts(tokens, model.generation_config.pad_token_id), searches
+
+
+@pytest.mark.parametrize("form", ["short", "long"])
+def test_whisper_temperature_fallback_decodes_greedy_windows_as_transformers_and_samples_alike_drafted(
+    media_models, form: str
+) -> None:
+    """Whisper's fallback (`temperature=(0.0, 3.0)`, `logprob_threshold` read from the scores the loop keeps, with
+    a compression-ratio threshold no window crosses): the first greedy search and the rows that fall back after it
+    are transformers'; the sampled windows (another noise than transformers' stream, so the windows after them
+    differ) are the same tokens with drafts as without under one seed."""
+    model = media_models["whisper"]
+    drafter = _feature_drafter(model)  # built before seeding: it draws its weights
+    if form == "short":  # the tiny Whisper's segment loop runs a second window for some rows
+        inputs, extra = _audio([1.0, 0.4, 0.7, 0.25], seed=1), {}
+    else:
+        inputs, extra = _audio([2.6, 1.7, 1.2], seed=5, long_form=True), {"return_timestamps": True}
+    logprobs = _average_logprobs(model, inputs, **extra)
+    ordered = logprobs.sort().values
+    widest = int((ordered[1:] - ordered[:-1]).argmax())
+    assert float(ordered[widest + 1] - ordered[widest]) > 1e-3, "a threshold between rows, far from both"
+    threshold = float(ordered[widest : widest + 2].mean())  # the rows below it fall back
+    kwargs = {"temperature": (0.0, 3.0), "logprob_threshold": threshold, "compression_ratio_threshold": 1e9,
+              "max_new_tokens": 12, **extra}  # fmt: skip
+    _, expected = _fallback(model, inputs, kwargs, GenerationMixin._sample)
+    undrafted, searches = _fallback(model, inputs, kwargs, blockwise_generate)
+    drafted, _ = _fallback(model, inputs, kwargs, functools.partial(blockwise_generate, assistant=drafter))
+    assert undrafted == drafted
+    (greedy, _, first), (sampled, temperature, fallen) = searches[:2]
+    assert (greedy, sampled, temperature) == (False, True, 3.0)
+    assert torch.equal(first, expected[0][2])  # the first window of every row: transformers' greedy tokens
+    assert fallen.shape[0] == int((logprobs < threshold).sum()) == expected[1][2].shape[0]
+    assert expected[1][:2] == (True, 3.0)
 
 
 def test_whisper_beams_are_its_own_beam_search(media_models) -> None:
@@ -363,6 +447,25 @@ def test_speech_recognition_pipeline_default_beams_run_through_the_beam_loop(spe
     drafting = {"max_new_tokens": 12, "custom_generate": blockwise_generate}
     assert speech_recognizer(clips, generate_kwargs=drafting) == expected
     assert len({output["text"] for output in expected}) == len(expected), "the tiny Whisper should vary"
+
+
+def test_speech_recognition_pipeline_runs_the_temperature_fallback(speech_recognizer) -> None:
+    """The pipeline with Whisper's fallback options: thresholds no transcript crosses give transformers' transcripts;
+    thresholds every one crosses sample at the last temperature, the same transcripts with drafts as without."""
+    clips = _clips(SHORT_CLIPS, seed=11)
+    fallback = {**PIPELINE_GREEDY, "temperature": (0.0, 1.0)}
+    never = {**fallback, "compression_ratio_threshold": 1e9, "logprob_threshold": -1e9}
+    expected = speech_recognizer(clips, generate_kwargs=never, batch_size=2)
+    assert speech_recognizer(clips, generate_kwargs={**never, "custom_generate": blockwise_generate},
+                             batch_size=2) == expected  # fmt: skip
+    always = {**fallback, "compression_ratio_threshold": 0.0, "custom_generate": blockwise_generate}
+    drafter = _feature_drafter(speech_recognizer.model)  # built before seeding: it draws its weights
+    sampled = []
+    for generate_kwargs in (always, {**always, "assistant": drafter}):
+        torch.manual_seed(4)
+        sampled.append(speech_recognizer(clips, generate_kwargs=generate_kwargs, batch_size=2))
+    assert sampled[0] == sampled[1]
+    assert sampled[0] != expected
 
 
 def test_image_text_to_text_pipeline_is_exact(media_models) -> None:

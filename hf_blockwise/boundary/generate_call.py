@@ -29,12 +29,11 @@ from hf_blockwise.boundary.beam import validate_beam_config
 from hf_blockwise.boundary.cache import check_cache_settings, loop_decoder_cache
 from hf_blockwise.boundary.inputs import check_decoder_length, warn_unmasked_padding
 from hf_blockwise.boundary.media import encoder_output_mask, validate_segment_options
-from hf_blockwise.boundary.models import encoder_input_name, model_name
+from hf_blockwise.boundary.models import encoder_input_name
 from hf_blockwise.boundary.processors import StopRules, split_stopping_criteria
 
 # generate() arguments whose meaning a blockwise loop cannot keep; each maps to the reason shown.
 _UNSUPPORTED_FLAGS = {
-    "output_scores": "per-step scores",
     "output_logits": "per-step logits",
     "output_attentions": "attention maps",
     "output_hidden_states": "hidden states",
@@ -164,12 +163,6 @@ def adapt_generate_call(
         validate_beam_config(generation_config)
     else:
         validate_generation_config(generation_config)
-    if generation_config.do_sample and encoder_input_name(model) != "input_ids":
-        raise ValueError(
-            f"do_sample=True: sampling through blockwise decoding covers text encoders; {model_name(model)} reads "
-            f"{encoder_input_name(model)} (Whisper's temperature fallback is not supported yet). Use "
-            "do_sample=False, or call the base model's generate without hf_blockwise."
-        )
     model_kwargs = decoder_prompt_kwargs(model_kwargs)
     rules = split_stopping_criteria(stopping_criteria, generation_config)
     if rules.others and rules.eos_token_ids is None and not beams:  # beam search calls the criteria themselves
@@ -312,7 +305,10 @@ def stop_string_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, An
 class BlockwiseGenerateOutput(GenerateEncoderDecoderOutput):
     """[`~generation.GenerateEncoderDecoderOutput`] plus the statistics of a blockwise decoding run.
 
-    `past_key_values` is left `None`: rows end a blockwise run with caches of different valid lengths.
+    `past_key_values` is left `None`: rows end a blockwise run with caches of different valid lengths. With
+    `output_scores=True`, `scores` holds greedy search's processed (and, sampling, warped) scores of every generated
+    token; a row's entries after its end are NaN where other rows decode on (greedy search scores the padding it
+    feeds there, which a blockwise run does not feed).
 
     Attributes:
         decoding_stats ([`DecodingStats`]): decoder forwards, tokens accepted per step and row, mean block.

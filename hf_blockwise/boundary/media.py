@@ -20,36 +20,20 @@ from hf_blockwise.boundary.cache import new_decoder_cache
 from hf_blockwise.boundary.models import decoder_forward, encoder_hidden_size, model_name
 from hf_blockwise.boundary.probes import probe_inputs
 
-# Whisper's generate writes its segment-loop options onto the generation config it passes to `generate` for each
-# segment; these ones change what a segment's decoding is beyond greedy search.
-_FALLBACK_THRESHOLDS = ("compression_ratio_threshold", "logprob_threshold")
-
 
 def validate_segment_options(generation_config: GenerationConfig) -> None:
     """Raises a `ValueError` for the options of a segment-by-segment speech `generate` (Whisper's) that blockwise
     decoding cannot keep exact; decided from the generation config each segment's search receives.
 
-    Every segment is an ordinary greedy search, decoded exactly (long-form audio, timestamps, language and task
-    tokens, `prompt_ids` included). Refused:
+    Every segment is an ordinary greedy search or, in a temperature fallback (`temperature=(0.0, 0.2, ...)` with
+    `compression_ratio_threshold` / `logprob_threshold`), a sampling call: both decoded by the loop (long-form audio,
+    timestamps, language and task tokens, `prompt_ids` included; `logprob_threshold` reads the scores the loop keeps
+    with `output_scores`). Refused:
 
-    - temperature fallback: with `compression_ratio_threshold` or `logprob_threshold`, a segment whose output
-      crosses a threshold is decoded again by *sampling* at the next temperature (`logprob_threshold` also needs
-      per-step scores). The temperatures themselves never reach the search, so any threshold is refused; without
-      one, `temperature=(0.0, ...)` decodes greedily at 0.0 only.
     - `condition_on_prev_tokens=True`: each segment's decoder prompt starts with the previous segment's tokens,
       left-padded per row under a `decoder_attention_mask`.
     - `return_token_timestamps=True` (word-level timestamps): read from every step's scores and cross-attention.
     """
-    thresholds = {name: getattr(generation_config, name, None) for name in _FALLBACK_THRESHOLDS}
-    set_thresholds = ", ".join(f"{name}={value}" for name, value in thresholds.items() if value is not None)
-    if set_thresholds:
-        raise ValueError(
-            f"Temperature fallback ({set_thresholds}) is not supported by blockwise decoding: a segment whose output "
-            "crosses the threshold is decoded again by sampling at the next temperature, and logprob_threshold needs "
-            "per-step scores, while blockwise decoding reproduces greedy search. Generate without "
-            "compression_ratio_threshold and logprob_threshold (temperature=0.0 alone is greedy), or use the base "
-            "model's generate without hf_blockwise."
-        )
     if getattr(generation_config, "condition_on_prev_tokens", None):
         raise ValueError(
             "condition_on_prev_tokens=True is not supported by blockwise decoding: each segment's decoder prompt "

@@ -89,16 +89,29 @@ def initial_state(call: hf.GenerateCall, setup: DecodingSetup) -> DecodingState:
 
 
 def finish(
-    state: DecodingState, return_dict: bool, compiled_forwards: int = 0
+    state: DecodingState, return_dict: bool, compiled_forwards: int = 0, prompt_length: int = 0
 ) -> torch.Tensor | hf.BlockwiseGenerateOutput:
     """Every row's tokens in the caller's order, cut to the longest row, as greedy search returns them (with the
-    call's [`DecodingStats`] when `return_dict`; `compiled_forwards`: the passes the compiled engine ran)."""
+    call's [`DecodingStats`] when `return_dict`; `compiled_forwards`: the passes the compiled engine ran; and the
+    kept scores, if any, per generated position after the `prompt_length` tokens of the decoder prompt)."""
     output_ids = state.output[:, : int(state.output_lengths.max())]
     if not return_dict:
         return output_ids
     accepted = torch.stack(state.accepted).cpu()
     stats = DecodingStats(num_forwards=len(state.accepted), accepted=accepted, compiled_forwards=compiled_forwards)
-    return hf.BlockwiseGenerateOutput(sequences=output_ids, decoding_stats=stats)
+    scores = generated_scores(state, output_ids.shape[1] - prompt_length, prompt_length) if state.scores else None
+    return hf.BlockwiseGenerateOutput(sequences=output_ids, scores=scores, decoding_stats=stats)
+
+
+def generated_scores(state: DecodingState, num_steps: int, prompt_length: int) -> tuple[torch.Tensor, ...]:
+    """The kept scores as greedy search returns them: one `(batch_size, vocab_size)` tensor per generated position,
+    NaN for rows that had ended there (greedy search scores the padding it feeds them)."""
+    first = state.scores[0].scores
+    batch_size = state.output.shape[0]
+    table = first.new_full((num_steps, batch_size, first.shape[-1]), float("nan"))  # (T, B, V)
+    for kept in state.scores:  # in step order: a position is decided once
+        table[kept.positions - prompt_length, kept.rows] = kept.scores
+    return tuple(table.unbind(0))
 
 
 def with_engine(
@@ -151,12 +164,20 @@ def decoding_setup(
     logits_processor: LogitsProcessorList,
     block_size: int,
     engine: CompiledDecoder | None,
-    sample: bool = False,
-    temperature: float = 1.0,
+    generation_config: GenerationConfig,
 ) -> DecodingSetup:
     """What stays fixed during the call, once the model is known to verify `block_size` tokens per pass exactly
-    (checked here when `block_size > 1`; an [`UnsupportedModelError`] otherwise). With `sample` (`do_sample=True`)
-    the call's seed is drawn: decisions are greedy on scores perturbed by its shared noise (`sampling.py`)."""
+    (checked here when `block_size > 1`; an [`UnsupportedModelError`] otherwise). With `do_sample=True` the call's
+    seed is drawn: decisions are greedy on scores perturbed by its shared noise (`sampling.py`). With
+    `output_scores=True` (and `return_dict_in_generate=True`), the scores of every generated token are kept (chains
+    only)."""
+    output_scores = bool(generation_config.output_scores and generation_config.return_dict_in_generate)
+    if output_scores and drafter.tree_nodes is not None:
+        raise ValueError(
+            f"output_scores=True is not supported with a drafter of trees ({type(drafter).__name__} with tree_nodes="
+            f"{drafter.tree_nodes}): a tree step keeps only its accepted path. Use a chain drafter (tree_nodes=None) "
+            "or generate without output_scores."
+        )
     capability = None
     if block_size > 1:
         check_verification_width(model, block_size)
@@ -176,8 +197,9 @@ def decoding_setup(
         streamer=call.streamer,
         engine=engine,
         position_limit=hf.decoder_position_limit(model),
-        sampling_seed=call_seed() if sample else None,
-        sampling_temperature=temperature,
+        sampling_seed=call_seed() if generation_config.do_sample else None,
+        sampling_temperature=float(generation_config.temperature or 1.0),
+        output_scores=output_scores,
     )
 
 
@@ -259,8 +281,7 @@ def blockwise_generate(
     # a row feeds its pending tokens (at most k) and its drafts: a chain's k - 1 or a tree's nodes
     feed_limit = block_size if drafter.tree_nodes is None else block_size + drafter.tree_nodes
     call, engine = with_engine(model, call, feed_limit, blockwise_compile)
-    sample, temperature = generation_config.do_sample, float(generation_config.temperature or 1.0)
-    setup = decoding_setup(model, call, drafter, rule, logits_processor, block_size, engine, sample, temperature)
+    setup = decoding_setup(model, call, drafter, rule, logits_processor, block_size, engine, generation_config)
     probe_engine(engine, call, feed_limit, drafter.tree_nodes is not None)
     compiled_before = 0 if engine is None else engine.compiled_calls
     state = initial_state(call, setup)
@@ -270,4 +291,4 @@ def blockwise_generate(
     if call.streamer is not None:
         call.streamer.end()
     compiled_forwards = 0 if engine is None else engine.compiled_calls - compiled_before
-    return finish(state, generation_config.return_dict_in_generate, compiled_forwards)
+    return finish(state, generation_config.return_dict_in_generate, compiled_forwards, input_ids.shape[1])

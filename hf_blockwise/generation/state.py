@@ -83,6 +83,8 @@ class DecodingSetup:
             ([`sampling.perturbed_scores`]): the scores every decision reads are perturbed by it; `None`: greedy.
         sampling_temperature (`float`): with `sampling_seed`, the call's temperature, for drafters that draft on
             the same noise ([`DraftNoise`]).
+        output_scores (`bool`): keep the scores of every generated token (`output_scores=True` with
+            `return_dict_in_generate=True`), in [`DecodingState.scores`].
         engine ([`CompiledDecoder`], *optional*): the compiled verification forward (`blockwise_compile=`); `None`
             runs transformers' forward eagerly.
         position_limit (`int`, *optional*): positions the decoder has (a learned table ends), `None` when unbounded:
@@ -103,6 +105,7 @@ class DecodingSetup:
     position_limit: int | None = None
     sampling_seed: int | None = None
     sampling_temperature: float = 1.0
+    output_scores: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,8 @@ class DecodingState:
         output (`torch.LongTensor` of shape `(batch_size, buffer_length)`): finished rows, at their caller index.
         output_lengths (`torch.LongTensor` of shape `(batch_size,)`).
         accepted (`list[torch.LongTensor]`): per step, tokens gained per caller row, shape `(batch_size,)`.
+        scores (`list[GeneratedScores]`): with `DecodingSetup.output_scores`, per step, the scores that decided the
+            step's new tokens.
     """
 
     sequences: torch.Tensor
@@ -147,10 +152,26 @@ class DecodingState:
     output: torch.Tensor
     output_lengths: torch.Tensor
     accepted: list[torch.Tensor] = field(default_factory=list)
+    scores: list[GeneratedScores] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
         return self.lengths.shape[0]
+
+
+@dataclass(frozen=True)
+class GeneratedScores:
+    """The processed scores that decided some generated tokens (`output_scores=True`), one vector per token.
+
+    Attributes:
+        rows (`torch.LongTensor` of shape `(n,)`): each token's row in the caller's batch.
+        positions (`torch.LongTensor` of shape `(n,)`): each token's position in its row (decoder prompt included).
+        scores (`torch.FloatTensor` of shape `(n, vocab_size)`).
+    """
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    scores: torch.Tensor
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.base import DraftRequest, Drafts, VerifiedStates
 from hf_blockwise.generation.acceptance import ExactAcceptance, accepted_lengths
 from hf_blockwise.generation.sampling import draft_noise, perturbed_scores
-from hf_blockwise.generation.state import DecodingSetup, DecodingState, StepFeed, Verdict
+from hf_blockwise.generation.state import DecodingSetup, DecodingState, GeneratedScores, StepFeed, Verdict
 from hf_blockwise.generation.tree import build_tree_feed, tree_scores, tree_step_allowed, verify_tree
 
 # larger than any sequence length: neutral element of the min/max reductions over rows
@@ -235,6 +235,18 @@ def verify(
     return new_tokens, num_accepted
 
 
+def new_token_scores(state: DecodingState, scores: torch.Tensor, num_new: torch.Tensor) -> GeneratedScores:
+    """The scores that decided each row's `num_new` new tokens (decision i decides the token at `lengths + i`).
+
+    Args:
+        scores (`torch.FloatTensor` of shape `(num_rows, num_decisions, vocab_size)`): processed, unperturbed.
+        num_new (`torch.LongTensor` of shape `(num_rows,)`).
+    """
+    offsets = torch.arange(scores.shape[1], device=scores.device)
+    row, decision = (offsets < num_new[:, None]).nonzero(as_tuple=True)  # (n,), (n,): a read, with output_scores only
+    return GeneratedScores(rows=state.rows[row], positions=state.lengths[row] + decision, scores=scores[row, decision])
+
+
 def truncate_at_stops(
     state: DecodingState, setup: DecodingSetup, new_tokens: torch.Tensor, num_new: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -424,10 +436,11 @@ def chain_step(state: DecodingState, setup: DecodingSetup, request: DraftRequest
     logits, states = run_decoder(state, setup, feed.tokens)  # (b, W, V), (b, W, d) or None
     columns = decision_columns(state, feed)  # (b, N)
     scores = decision_scores(state, setup, feed, logits.float(), columns)  # (b, N, V)
+    decided = scores
     if setup.sampling_seed is not None:  # decision at column c decides position cache_length + c + 1
-        scores = perturbed_scores(scores, setup.sampling_seed, state.rows, state.cache_length + columns + 1)
-    new_tokens, num_accepted = verify(scores, feed, setup, columns)
-    return conclude(state, setup, request, feed, new_tokens, num_accepted, states)
+        decided = perturbed_scores(scores, setup.sampling_seed, state.rows, state.cache_length + columns + 1)
+    new_tokens, num_accepted = verify(decided, feed, setup, columns)
+    return conclude(state, setup, request, feed, new_tokens, num_accepted, states, scores)
 
 
 def tree_step(state: DecodingState, setup: DecodingSetup, request: DraftRequest, drafts: Drafts) -> DecodingState:
@@ -453,12 +466,18 @@ def conclude(
     new_tokens: torch.Tensor,
     num_accepted: torch.Tensor,
     states: torch.Tensor | None,
+    scores: torch.Tensor | None = None,
 ) -> DecodingState:
     """The end of a step: stopping rules on the new tokens (accepted drafts, then the base's own), the streamer,
+    the scores of the new tokens where the call keeps them (`scores`: `(b, N, V)`, a chain step's, unperturbed),
     and [`advance`]."""
     setup.drafter.update_candidate_strategy(request, num_accepted)
     num_new, stopped = truncate_at_stops(state, setup, new_tokens, (num_accepted + 1) * feed.deciding)
     if setup.streamer is not None and int(num_new[0]) > 0:  # batch size 1 only
         setup.streamer.put(new_tokens[0, : int(num_new[0])].cpu())
+    if setup.output_scores:
+        if scores is None:
+            raise ValueError("output_scores=True: a tree step keeps no per-token scores")  # refused before decoding
+        state = dataclasses.replace(state, scores=[*state.scores, new_token_scores(state, scores, num_new)])
     verdict = Verdict(new_tokens=new_tokens, num_new=num_new, num_accepted=num_accepted, stopped=stopped)
     return advance(state, setup, feed, verdict, states)

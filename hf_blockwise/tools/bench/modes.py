@@ -3,8 +3,10 @@
 A mode name is a family (`greedy`, `heads`, `feature`, `iad`, `gad_pp`, `ct2`, ...), optionally sized
 (`heads_k3`, `oracle_k4`, `feature_k6_t0.3`, `feature_t0.3`), drafting trees when sized with nodes (`feature_k6_n10`:
 trees of 10 drafts, `feature_k6_n16_m4`: 4 candidates per node), and optionally suffixed `_int8` (a few families,
-and sized modes, on the int8 quantized model) or `_compiled` (through the compiled engine). Everything else reads the
-parsed fields.
+and sized modes, on the int8 quantized model) or `_compiled` (through the compiled engine), then `_b<N>` (beam search)
+or `_sample` (sampling at the bench's temperature and top-p: `greedy_sample` is transformers' own sampling,
+`assisted_sample` its assisted sampling, `loop_sample` and `greedy_compiled_sample` the loop's without drafts).
+Everything else reads the parsed fields.
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ _ORACLE = re.compile(r"oracle_k(\d+)")
 _BEAM = re.compile(r"beam(\d+)")
 _BEAMS_SUFFIX = re.compile(r"(.+)_b(\d+)")
 _BEAM_FAMILIES = ("loop", "greedy", "ct2", "heads", "seq_heads", "feature", "composite")
+# sampling (`feature_compiled_sample`): transformers' own (`greedy_sample`, `assisted_sample`: another random stream,
+# compared with nothing) and the loop's, each drafting mode compared with the loop's undrafted sampling under the
+# same seed (`loop_sample`; through the engine `greedy_compiled_sample`, itself compared with `loop_sample`)
+SAMPLE_SUFFIX = "_sample"
+_SAMPLE_FAMILIES = ("loop", "greedy", "assisted", "heads", "seq_heads", "feature", "composite")
 # a model drafter at another block size k and (feature drafter) draft threshold: `feature_k6_t0.3`, `heads_k3`
 # and trees: `feature_k6_n10` (10 drafts per row), `feature_k6_n16_m4` (4 candidates per node), `..._int8`
 _SIZED = re.compile(
@@ -97,6 +104,7 @@ class Mode:
         tree_nodes (`int`, *optional*): drafts per row of a tree (`feature_k6_n10`); `None` drafts chains.
         tree_branching (`int`): candidates per drafted state of a tree (`_m4`; default 2).
         num_beams (`int`): beam search of this many beams (`beam4`, `feature_compiled_b4`); 1: greedy.
+        sample (`bool`): sampling (`_sample`) at the bench's temperature and top-p, seeded alike in every mode.
         top_beta (`int`, *optional*), tolerance (`float`, *optional*): GAD++'s β and τ (`gad_pp_k8_beta3_tau2`);
             `None`: the bench's `--gad-top-beta` / `--gad-tolerance`.
     """
@@ -110,12 +118,20 @@ class Mode:
     tree_nodes: int | None = None
     tree_branching: int = 2
     num_beams: int = 1
+    sample: bool = False
     top_beta: int | None = None
     tolerance: float | None = None
 
     @classmethod
     def parse(cls, name: str) -> Mode:
         """The mode called `name`; a `ValueError` names the known ones."""
+        if name.endswith(SAMPLE_SUFFIX) and name != SAMPLE_SUFFIX:
+            mode = cls.parse(name.removesuffix(SAMPLE_SUFFIX))
+            if mode.family not in _SAMPLE_FAMILIES or mode.num_beams > 1 or mode.sample or mode.int8:
+                raise ValueError(
+                    f"mode {name!r}: a _sample suffix follows a float32 chain or tree mode of {_SAMPLE_FAMILIES}"
+                )
+            return dataclasses.replace(mode, name=name, sample=True)
         beams = _BEAMS_SUFFIX.fullmatch(name)
         if beams and int(beams.group(2)) > 1:
             mode = cls.parse(beams.group(1))
@@ -152,8 +168,8 @@ class Mode:
             f"Unknown mode {name!r}; choose from {MODE_NAMES}, oracle_k<k>, heads_k<k>, seq_heads_k<k>, feature_k<k>, "
             "feature_k<k>_t<threshold>, feature_t<threshold>, trees <heads|feature>_k<k>_n<nodes>[_m<branching>] (each "
             "sized one also with _int8 and _compiled suffixes), gad_k<k>[_compiled], gad_pp_k<k>[_beta<β>][_tau<τ>], "
-            "beam<N> (transformers' beam search) and a chain mode of the loop or CTranslate2 with _b<N> last (beam "
-            "search of N beams)"
+            "beam<N> (transformers' beam search), a chain mode of the loop or CTranslate2 with _b<N> last (beam "
+            "search of N beams), and a float32 mode of the loop, greedy or assisted with _sample last (sampling)"
         )
 
     @property
@@ -168,10 +184,15 @@ class Mode:
         return dataclasses.replace(self, name=name, block_size=block_size)
 
     @property
-    def reference(self) -> str:
+    def reference(self) -> str | None:
         """The greedy mode whose output this one must reproduce: int8 modes are exact w.r.t. the int8 model, compiled
         modes w.r.t. the engine's own greedy (`greedy_compiled`, itself compared with eager greedy); beam search
-        modes w.r.t. transformers' beam search of as many beams (`beam4`), which is compared with greedy."""
+        modes w.r.t. transformers' beam search of as many beams (`beam4`), which is compared with greedy; sampling
+        modes w.r.t. the loop's undrafted sampling (`None` for transformers' own and for `loop_sample`)."""
+        if self.sample:
+            if self.family in ("assisted", "loop") or (self.family == "greedy" and not self.compiled):
+                return None
+            return "greedy_compiled_sample" if self.compiled and self.family != "greedy" else "loop_sample"
         if self.num_beams > 1 and self.family != "beam":
             return f"beam{self.num_beams}"
         if self.on_int8_model:

@@ -42,11 +42,12 @@ def available_modes(setup: BenchSetup, requested: Sequence[str]) -> list[Mode]:
             print(f"skipping {mode.name}: {reason}")
         else:
             modes.append(mode)
-    needed = {"greedy"} | {mode.reference for mode in modes}
-    while missing := {Mode.parse(name).reference for name in needed} - needed:  # a reference's own reference
+    needed = {"greedy"} | {mode.reference for mode in modes if mode.reference is not None}
+    while missing := {Mode.parse(name).reference for name in needed} - needed - {None}:  # a reference's reference
         needed |= missing
-    # the greedy references first, in their order, then the others (transformers' beam search) before their users
-    others = sorted(needed - set(REFERENCE_MODES))
+    # the greedy references first, in their order, then the others (transformers' beam search, the loop's sampling)
+    # each after its own reference and before its users
+    others = sorted(needed - set(REFERENCE_MODES), key=lambda name: (_reference_depth(name), name))
     modes = [Mode.parse(name) for name in (*[n for n in REFERENCE_MODES if n in needed], *others)] + modes
     unique: dict[str, Mode] = {}
     for mode in modes:
@@ -56,6 +57,12 @@ def available_modes(setup: BenchSetup, requested: Sequence[str]) -> list[Mode]:
         return REFERENCE_MODES.index(mode.name) if mode.name in REFERENCE_MODES else len(REFERENCE_MODES)
 
     return sorted(unique.values(), key=order)
+
+
+def _reference_depth(name: str) -> int:
+    """How many references stand above mode `name` (`greedy_compiled_sample` -> `loop_sample`: 1)."""
+    reference = Mode.parse(name).reference
+    return 0 if reference is None or reference == name else 1 + _reference_depth(reference)
 
 
 def run_bench(
@@ -105,7 +112,8 @@ def run_bench(
         warm_up = compile_modes(runners, batches[0], {name for name, (mode, _) in runs.items() if mode.compiled})
         by_mode = measure(
             runners, batches, pad_token_id=pad_token_id,
-            reference={name: mode.reference for name, (mode, _) in runs.items()}, baseline="greedy",
+            reference={name: mode.reference for name, (mode, _) in runs.items() if mode.reference is not None},
+            baseline="greedy",
             tokenizer=loaded.tokenizer, references=references, word_error=loaded.feature_extractor is not None,
             count_forwards_of=[loaded.base] + ([int8_setup.loaded.base] if int8_setup is not None else []),
             progress=progress, description=f"bench batch {batch_size}",

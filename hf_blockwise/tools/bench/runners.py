@@ -22,21 +22,28 @@ from hf_blockwise.tools.bench.modes import Mode
 from hf_blockwise.tools.bench.setup import BenchSetup
 
 
+def search_kwargs(mode: Mode, setup: BenchSetup) -> dict[str, Any]:
+    """The `generate` arguments that choose between greedy search and (`_sample` modes) sampling."""
+    if not mode.sample:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": setup.temperature, "top_p": setup.top_p}
+
+
 def _blockwise_runner(model: nn.Module, limit: int, **generate_kwargs: Any) -> Runner:
     """`model.generate` through this package's loop (or a [`BlockwiseHeadsModel`]'s own generate); greedy unless
-    `generate_kwargs` ask for beams."""
-    kwargs = {"num_beams": 1, **generate_kwargs}
+    `generate_kwargs` ask for beams or sampling."""
+    kwargs = {"num_beams": 1, "do_sample": False, **generate_kwargs}
     return lambda batch, _: model.generate(**batch, **kwargs, max_new_tokens=limit, return_dict_in_generate=True)
 
 
 def _greedy(mode: Mode, setup: BenchSetup) -> Runner:
-    base, limit = setup.loaded.base, setup.max_new_tokens
+    base, limit, search = setup.loaded.base, setup.max_new_tokens, search_kwargs(mode, setup)
     if mode.compiled:  # the engine's greedy: the loop with no drafter, compiled
         return _loop(mode, setup)
     # a dict-style output: Whisper's keeps its decoder prompt in `sequences` (a tensor output drops it), like the
     # loop's outputs, which are compared with it and which the oracle drafts from
     return lambda batch, _: base.generate(
-        **batch, do_sample=False, num_beams=1, max_new_tokens=limit, return_dict_in_generate=True
+        **batch, **search, num_beams=1, max_new_tokens=limit, return_dict_in_generate=True
     )
 
 
@@ -54,7 +61,7 @@ def _loop(mode: Mode, setup: BenchSetup) -> Runner:
     """The loop with no drafter (one token per decoder call)."""
     return _blockwise_runner(
         setup.loaded.base, setup.max_new_tokens, custom_generate=blockwise_generate, assistant=None,
-        blockwise_compile=mode.compiled, num_beams=mode.num_beams,
+        blockwise_compile=mode.compiled, num_beams=mode.num_beams, **search_kwargs(mode, setup),
     )  # fmt: skip
 
 
@@ -77,8 +84,8 @@ def _generate(**generate_kwargs: Any) -> Callable[[Mode, BenchSetup], Runner]:
     """A runner of transformers' own `generate` with `generate_kwargs` (beam search, prompt lookup...)."""
 
     def runner(mode: Mode, setup: BenchSetup) -> Runner:
-        base, limit = setup.loaded.base, setup.max_new_tokens
-        return lambda batch, _: base.generate(**batch, do_sample=False, max_new_tokens=limit, **generate_kwargs)
+        base, limit, search = setup.loaded.base, setup.max_new_tokens, search_kwargs(mode, setup)
+        return lambda batch, _: base.generate(**batch, **search, max_new_tokens=limit, **generate_kwargs)
 
     return runner
 
@@ -124,7 +131,10 @@ def _drafter_runner(mode: Mode, setup: BenchSetup) -> Runner:
     drafter through the base's `generate` with this package's loop."""
     loaded = setup.loaded
     drafter = build_drafter(mode.drafter, loaded, drafter_options(mode, setup))
-    kwargs: dict[str, Any] = {"assistant": drafter, "blockwise_compile": mode.compiled, "num_beams": mode.num_beams}
+    kwargs: dict[str, Any] = {
+        "assistant": drafter, "blockwise_compile": mode.compiled, "num_beams": mode.num_beams,
+        **search_kwargs(mode, setup),
+    }  # fmt: skip
     rule = acceptance_rule(mode, setup)
     if rule is not None:
         kwargs["acceptance"] = rule
@@ -144,7 +154,20 @@ def mode_runner(mode: Mode | str, setup: BenchSetup) -> Runner:
     mode = Mode.parse(mode) if isinstance(mode, str) else mode
     if mode.num_beams > 1:
         return padded_after_eos(_runner_of(mode, setup), setup.loaded.base.generation_config)
+    if mode.sample:
+        return seeded(_runner_of(mode, setup), setup.sampling_seed)
     return _runner_of(mode, setup)
+
+
+def seeded(runner: Runner, seed: int) -> Runner:
+    """`runner` after `torch.manual_seed(seed)`: a sampling mode draws the same way on a batch as every other one
+    (the loop's seed, drawn from torch's state, then gives drafted runs the undrafted run's tokens)."""
+
+    def run(batch: Batch, earlier: dict[str, Any]) -> Any:
+        torch.manual_seed(seed)
+        return runner(batch, earlier)
+
+    return run
 
 
 def padded_after_eos(runner: Runner, generation_config: Any) -> Runner:

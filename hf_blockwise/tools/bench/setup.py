@@ -29,6 +29,8 @@ class BenchSetup:
         gad_top_beta (`int`), gad_tolerance (`float`): GAD++'s β and τ (mode `gad_pp`).
         oracle_block_sizes (`tuple[int, ...]`): the block sizes k of the `oracle` mode, one row `oracle_k{k}` each.
         ct2_threads (`int`): CTranslate2's threads (`intra_threads`) in the `ct2` modes.
+        temperature (`float`), top_p (`float`): the `_sample` modes' warpers.
+        sampling_seed (`int`): `torch.manual_seed` before each batch of a `_sample` mode: every mode draws alike.
     """
 
     loaded: LoadedModel
@@ -39,6 +41,9 @@ class BenchSetup:
     gad_tolerance: float = 1.0
     oracle_block_sizes: tuple[int, ...] = DEFAULT_ORACLE_BLOCK_SIZES
     ct2_threads: int = 1
+    temperature: float = 0.7
+    top_p: float = 0.9
+    sampling_seed: int = 0
 
 
 def usable_batch_sizes(batch_sizes: Sequence[int], num_sentences: int) -> list[int]:

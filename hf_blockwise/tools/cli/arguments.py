@@ -39,6 +39,29 @@ def positive_int(text: str) -> int:
     return value
 
 
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from error
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number above 0 (a temperature)."""
+    value = _number(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def unit_interval(text: str) -> float:
+    """An argparse type: a number in (0, 1] (a top-p)."""
+    value = _number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
 def json_object(text: str) -> dict:
     """An argparse type: a JSON object (generate's keyword arguments by name)."""
     try:

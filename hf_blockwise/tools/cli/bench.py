@@ -33,7 +33,13 @@ from hf_blockwise.tools.bench import (
     set_speedup_ceilings,
     write_report,
 )
-from hf_blockwise.tools.cli.arguments import check_shipped_model, positive_int, require_tokenizer
+from hf_blockwise.tools.cli.arguments import (
+    check_shipped_model,
+    positive_float,
+    positive_int,
+    require_tokenizer,
+    unit_interval,
+)
 from hf_blockwise.tools.cli.demo import DEMO_SENTENCES
 
 # `--model-config` runs: sources of this many random token ids, and these defaults
@@ -110,6 +116,7 @@ def _bench_setup(args: argparse.Namespace) -> tuple[BenchSetup, list, list[str] 
     setup = dataclasses.replace(
         setup, gad_block_size=args.gad_block_size, gad_top_beta=args.gad_top_beta, gad_tolerance=args.gad_tolerance,
         oracle_block_sizes=tuple(oracle_block_sizes), ct2_threads=args.ct2_threads or torch.get_num_threads(),
+        temperature=args.temperature, top_p=args.top_p,
     )  # fmt: skip
     return setup, sources, references
 
@@ -148,6 +155,8 @@ def run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
         "gad_block_size": args.gad_block_size,
         "gad_top_beta": args.gad_top_beta,
         "gad_tolerance": args.gad_tolerance,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
         "oracle_block_sizes": list(setup.oracle_block_sizes),
         "source_file": args.source_file,
         "audio_folder": args.audio_folder,
@@ -304,6 +313,10 @@ def _add_bench_mode_arguments(bench: argparse.ArgumentParser) -> None:
     )
     bench.add_argument("--gad-top-beta", type=positive_int, default=3, help="GAD++ top-beta")
     bench.add_argument("--gad-tolerance", type=float, default=1.0, help="GAD++ log-likelihood tolerance tau")
+    bench.add_argument(
+        "--temperature", type=positive_float, default=0.7, help="the _sample modes' temperature (default 0.7)"
+    )
+    bench.add_argument("--top-p", type=unit_interval, default=0.9, help="the _sample modes' top-p (default 0.9)")
     bench.add_argument(
         "--oracle-block-sizes",
         "--oracle-block-size",
