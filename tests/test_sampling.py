@@ -189,10 +189,19 @@ def test_the_noise_of_kept_tokens_alone_is_the_whole_vocabularys_noise_there() -
     assert torch.equal(picked, shared_gumbel_noise(11, rows, positions, 500).gather(-1, candidates))
 
 
-def _first_tokens(base, rows: int, seed: int, **kwargs) -> torch.Tensor:
+def _sampled_rows(base, rows: int, seed: int, **kwargs) -> torch.Tensor:
+    """`rows` copies of one source, sampled: the whole sequences, shape `(rows, 1 + generated)`."""
     source = random_batch(base, 1, seed=9)
     batch = {name: value.expand(rows, -1) for name, value in source.items()}  # one source, `rows` times
-    return _sampled(base, batch, seed, max_new_tokens=2, **kwargs)[:, 1]
+    return _sampled(base, batch, seed, **kwargs)
+
+
+def _warped_probabilities(base, prefix: list[int], warper_list: list) -> torch.Tensor:
+    """The warped distribution of the token after the decoder start and `prefix`, shape `(V,)`."""
+    with torch.no_grad():
+        start = torch.tensor([[base.generation_config.decoder_start_token_id, *prefix]])
+        logits = base(**random_batch(base, 1, seed=9), decoder_input_ids=start).logits[:, -1]  # (1, V)
+    return torch.softmax(LogitsProcessorList(warper_list)(start, logits), dim=-1)[0]
 
 
 def _chi_square(tokens: torch.Tensor, probabilities: torch.Tensor) -> float:
@@ -206,26 +215,42 @@ def _chi_square(tokens: torch.Tensor, probabilities: torch.Tensor) -> float:
     return float(chisquare(observed[keep].numpy(), wanted[keep].numpy()).pvalue)
 
 
+def _positions_p_values(base, sequences: torch.Tensor, warper_list: list) -> list[float]:
+    """For positions 1..3: the p-value of the tokens drawn there, among the rows that share the most common prefix
+    before it, against the model's warped distribution after that prefix (position 1: every row)."""
+    generated, p_values = sequences[:, 1:], []
+    for position in range(3):
+        prefix, rows = generated[0, :0], torch.ones(generated.shape[0], dtype=torch.bool)  # position 1: every row
+        if position > 0:
+            prefixes, counts = generated[:, :position].unique(dim=0, return_counts=True)
+            prefix = prefixes[counts.argmax()]  # (position,)
+            rows = (generated[:, :position] == prefix).all(dim=1)
+        probabilities = _warped_probabilities(base, prefix.tolist(), warper_list)
+        p_values.append(_chi_square(generated[rows, position], probabilities))
+    return p_values
+
+
 @pytest.mark.parametrize("warpers", sorted(WARPERS))
 def test_each_token_is_drawn_from_the_warped_distribution(tiny_models, warpers: str, monkeypatch) -> None:
-    """20,000 rows of one source sample their first token: a chi-square test against the warped softmax of the
-    model's logits passes; a loop whose noise is shared between rows (a wrong construction) fails it."""
+    """20,000 rows of one source sample 3 tokens, with drafts right most of the time (the same tokens as without):
+    at each of the first 3 positions, among the rows sharing the most common prefix, a chi-square test against the
+    warped softmax of the model's logits after that prefix passes; a loop whose noise is shared between rows, or that
+    verifies drafts against unperturbed scores (two wrong constructions), fails it."""
     base = tiny_models["marian"]
     arguments, warper_list = WARPERS[warpers]
-    source = random_batch(base, 1, seed=9)
-    with torch.no_grad():
-        start = torch.full((1, 1), base.generation_config.decoder_start_token_id)
-        logits = base(**source, decoder_input_ids=start).logits[:, -1]  # (1, V)
-    warped = LogitsProcessorList(warper_list)(start, logits)
-    probabilities = torch.softmax(warped, dim=-1)[0]
-    tokens = _first_tokens(base, 20_000, seed=4, **arguments)
-    assert _chi_square(tokens, probabilities) > 0.01
+    kwargs = {"max_new_tokens": 3, "eos_token_id": None, **arguments}  # no row ends before its 3 tokens
+    sequences = _sampled_rows(base, 20_000, seed=4, **kwargs)
+    drafter = OracleDrafter(sequences, block_size=3, corruption=0.3, seed=4)
+    assert torch.equal(_sampled_rows(base, 20_000, seed=4, assistant=drafter, **kwargs), sequences)
+    assert min(_positions_p_values(base, sequences, warper_list)) > 0.01
 
     def shared_between_rows(scores, seed, rows, positions):
         return perturbed_scores(scores, seed, torch.zeros_like(rows), positions)
 
-    monkeypatch.setattr(step_module, "perturbed_scores", shared_between_rows)
-    assert _chi_square(_first_tokens(base, 20_000, seed=4, **arguments), probabilities) < 1e-6
+    for mutation in (shared_between_rows, lambda scores, *_: scores):
+        monkeypatch.setattr(step_module, "perturbed_scores", mutation)
+        wrong = _sampled_rows(base, 20_000, seed=4, assistant=drafter, **kwargs)
+        assert min(_positions_p_values(base, wrong, warper_list)) < 1e-6
 
 
 def test_beam_sampling_is_refused_by_name(tiny_models) -> None:

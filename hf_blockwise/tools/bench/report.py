@@ -45,7 +45,10 @@ def markdown_table(results: Sequence[ModeResult], header: str) -> str:
             "",
             "¹ generated tokens equal, token for token, to greedy decoding of the same model (int8 modes: the int8 "
             "model; `ct2*`: transformers' float32 greedy, which another engine need not match; `*_b<N>` modes: "
-            "transformers' beam search of N beams, `beam<N>`, itself compared with greedy); `oracle_k*` must be 100%",
+            "transformers' beam search of N beams, `beam<N>`, itself compared with greedy; `*_sample` modes: the "
+            "loop's undrafted sampling under the same seed, `loop_sample` or through the engine "
+            "`greedy_compiled_sample`; transformers' own sampling is another random stream, compared with nothing); "
+            "`oracle_k*` must be 100%",
         ]
     if "ceiling" in columns:
         lines += [
