@@ -1,11 +1,12 @@
-"""`hf-blockwise profile calls|step|divergences` on a small saved model (eager: the compiled kinds are timed by the
-same functions, whose engine is tested in test_engine.py)."""
+"""`hf-blockwise profile calls|step|divergences|acceptance` on a small saved model (eager: the compiled kinds are
+timed by the same functions, whose engine is tested in test_engine.py)."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import save_with_random_heads
 
+from hf_blockwise.drafters import feature, heads, trees
 from hf_blockwise.generation import loop, step
 from hf_blockwise.tools import profile
 from hf_blockwise.tools.cli import main
@@ -56,6 +57,21 @@ def test_divergences_and_call_costs_are_reported(saved_model: str, capsys) -> No
     assert int8_bytes == pytest.approx(float_bytes / 4, rel=0.05)  # the int8 kind streams a quarter of the bytes
     with pytest.raises(ValueError, match="unknown call kinds"):
         profile.call_cost_rows(None, None, ["int4 eager"])
+
+
+def test_sampling_acceptance_compares_the_two_constructions_on_first_drafts(saved_model: str, capsys) -> None:
+    """Each first draft's probability of being kept: no coupling of p and q agrees more often than speculative
+    sampling's `sum(min(p, q))`, so shared noise's expectation stays under it (up to its draws' error); the decodes'
+    own share lies in [0, 1]; the drafter and `drafted_candidates` are put back afterwards."""
+    arguments = ["profile", "acceptance", "--model", saved_model, "--drafter", "heads", "--threads", "1"]
+    sources = ["--source-file", f"{saved_model}/sources.txt", "--max-new-tokens", "12", "--temperature", "1.5"]
+    assert main([*arguments, *sources, "--top-p", "0.95", "--draws", "2000"]) == 0
+    rows = {row[0]: float(row[1]) for row in _table_rows(capsys.readouterr().out)[1:]}
+    speculative = rows["speculative sampling, min(1, p/q) (expected)"]
+    shared = rows["shared noise, the loop's (expected over 2000 draws)"]
+    assert 0 < shared <= speculative + 0.02 and speculative <= 1
+    assert 0 <= rows["shared noise, these decodes"] <= 1
+    assert feature.drafted_candidates is heads.drafted_candidates is trees.drafted_candidates
 
 
 def test_profile_usage_errors_name_what_is_wrong(saved_model: str, tmp_path, capsys) -> None:

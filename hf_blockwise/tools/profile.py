@@ -7,6 +7,8 @@
   bookkeeping and `generate`'s fixed cost.
 - [`divergences`] (`profile divergences`): where blockwise decoding departs from greedy decoding of the same
   weights, and the top-2 logit gap there (a floating-point near-tie is the only excuse).
+- [`sampling_acceptance`] (`profile acceptance`): how often sampling keeps a drafter's first draft under the two
+  exact constructions: speculative sampling's `min(1, p/q)` and the shared noise the loop ships.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch
 from torch import nn
 
 from hf_blockwise import blockwise_generate, first_divergence, quantize_dynamic_int8
-from hf_blockwise.drafters.base import Drafter
+from hf_blockwise.drafters import feature, heads, trees
+from hf_blockwise.drafters.base import SAMPLED_CANDIDATES, Drafter
 from hf_blockwise.evaluation.cost_curve import CAPTION, compiled_call, decoder_cost_curve
 from hf_blockwise.generation import loop, step
 
@@ -246,3 +249,125 @@ def divergences(
             differing.append((source, found))
             gaps += [divergence.top2_gap for divergence in found]
     return DivergenceReport(len(sources), differing, sorted(gaps))
+
+
+@dataclass(frozen=True)
+class SamplingAcceptance:
+    """What [`sampling_acceptance`] measured over the first draft of every drafting step of sampled decodes.
+
+    Attributes:
+        drafts (`int`): first drafts measured.
+        speculative (`float`): the mean probability that speculative sampling keeps the draft, `sum(min(p, q))`
+            (p: the model's warped distribution at the draft's position, q: the drafter's proposal distribution).
+        shared_noise (`float`): the mean probability that shared noise keeps it: the drafter's and the model's
+            Gumbel-max draws under the same noise agree (over `draws` noise draws per position).
+        kept (`float`): the share of first drafts the decodes kept (each position's one draw: the run's own).
+        tokens_per_call (`float`): the decodes' mean tokens per verification call.
+    """
+
+    drafts: int
+    speculative: float
+    shared_noise: float
+    kept: float
+    tokens_per_call: float
+
+
+def sampling_acceptance(
+    base: nn.Module,
+    tokenizer: Any,
+    sources: Sequence[str],
+    drafter: Drafter,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int = 128,
+    draws: int = 256,
+) -> SamplingAcceptance:
+    """Samples each source (batch 1, eager drafting, seeded) with `drafter` and measures, at the first draft of every
+    step (the one that follows the verified prefix), how likely each exact construction is to keep it.
+
+    The drafter's proposal distribution q is what it draws a sampling call's chain token from
+    ([`draw_among_likely`]): the softmax of its `SAMPLED_CANDIDATES` most likely logits over the temperature. The
+    model's p is its warped distribution there, read from the decode's own `output_scores`.
+    """
+    records: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (position, draft, proposal ids (K,), q (K,))
+    kept, speculative, shared, calls, tokens = [], [], [], 0, 0
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode(), _first_drafts(drafter, records):
+        for index, source in enumerate(sources):
+            records.clear()
+            torch.manual_seed(index)
+            output = base.generate(
+                **tokenizer(source, return_tensors="pt"), custom_generate=blockwise_generate, assistant=drafter,
+                do_sample=True, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                num_beams=1, return_dict_in_generate=True, output_scores=True,
+            )  # fmt: skip
+            sequence, prompt = output.sequences[0].tolist(), output.sequences.shape[1] - len(output.scores)
+            calls += output.decoding_stats.num_forwards
+            tokens += len(output.scores)
+            for position, draft, ids, proposal in records:
+                warped = output.scores[position - prompt][0].float()  # (V,): the model's scores there
+                kept.append(float(draft == sequence[position]))
+                speculative.append(float(torch.minimum(warped.softmax(dim=-1)[ids], proposal).sum()))
+                shared.append(_shared_noise_agreement(ids, proposal, warped, generator, draws))
+    if not kept:
+        raise ValueError("no draft was measured: the drafter drafted no chain (a drafter of trees, or no steps)")
+    mean = statistics.fmean
+    return SamplingAcceptance(len(kept), mean(speculative), mean(shared), mean(kept), tokens / calls)
+
+
+def _shared_noise_agreement(
+    ids: torch.Tensor, proposal: torch.Tensor, warped: torch.Tensor, generator: torch.Generator, draws: int
+) -> float:
+    """The share of `draws` Gumbel noises under which the drafter's draw (`argmax(log q + g)` over its proposal ids)
+    and the model's (`argmax(warped + g)`) are the same token. Only tokens either can draw matter: the noise is
+    drawn over their union.
+
+    Args:
+        ids (`torch.LongTensor` of shape `(K,)`), proposal (`torch.Tensor` of shape `(K,)`): q over those ids.
+        warped (`torch.Tensor` of shape `(V,)`): the model's warped scores (`-inf` where the warpers removed a token).
+    """
+    union = torch.unique(torch.cat([ids, torch.isfinite(warped).nonzero().flatten()]))  # (U,)
+    drafter_scores = torch.full((union.shape[0],), float("-inf"))
+    drafter_scores[torch.searchsorted(union, ids)] = proposal.log()
+    uniform = torch.rand((draws, union.shape[0]), generator=generator).clamp(min=1e-12)
+    gumbel = -torch.log(-torch.log(uniform))  # (draws, U)
+    same = (drafter_scores + gumbel).argmax(dim=-1) == (warped[union] + gumbel).argmax(dim=-1)
+    return float(same.float().mean())
+
+
+@contextmanager
+def _first_drafts(drafter: Drafter, records: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """While open, appends to `records` each sampling step's first draft of an eager chain drafter (the draft that
+    follows the verified prefix): its position, the token drafted, and the proposal it was drawn from (the ids and
+    probabilities of [`draw_among_likely`]'s candidates), by wrapping `drafted_candidates` where the heads and the
+    feature drafter call it."""
+    steps: dict[str, torch.Tensor] = {}
+    original_candidates = drafter.get_candidates
+
+    def get_candidates(request: Any) -> Any:
+        steps["lengths"] = request.lengths
+        return original_candidates(request)
+
+    def recording(
+        logits: torch.Tensor, token_ids: torch.Tensor | None, branching: int, sampling: Any = None,
+        positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        drafted = trees.drafted_candidates(logits, token_ids, branching, sampling, positions)
+        if sampling is not None and positions is not None:
+            one_each = positions.dim() == 1  # heads draft every depth at once: (b, n); the first is depth 0
+            first, first_logits = (positions, logits) if one_each else (positions[:, 0], logits[:, 0])
+            draft = drafted[0][..., 0] if one_each else drafted[0][:, 0, 0]  # (b,)
+            likely = first_logits.float().topk(min(SAMPLED_CANDIDATES, first_logits.shape[-1]), dim=-1)  # (b, K)
+            ids = likely.indices if token_ids is None else token_ids[likely.indices]
+            proposal = (likely.values / sampling.temperature).softmax(dim=-1)
+            for row in (first == steps["lengths"]).nonzero().flatten().tolist():
+                records.append((int(first[row]), int(draft[row]), ids[row], proposal[row]))
+        return drafted
+
+    drafter.get_candidates = get_candidates  # an instance attribute over the method, deleted below
+    feature.drafted_candidates = heads.drafted_candidates = recording
+    try:
+        yield
+    finally:
+        del drafter.get_candidates
+        feature.drafted_candidates = heads.drafted_candidates = trees.drafted_candidates

@@ -1,4 +1,5 @@
-"""`hf-blockwise profile calls|step|divergences`: where decoding's time goes on a model (`tools/profile.py`)."""
+"""`hf-blockwise profile calls|step|divergences|acceptance`: where decoding's time goes on a model, and how often
+sampling keeps a draft (`tools/profile.py`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ from hf_blockwise import quantize_dynamic_int8
 from hf_blockwise.loading import DRAFTER_NAMES, REALISTIC_MODEL, DrafterOptions, LoadedModel, build_drafter, load_model
 from hf_blockwise.text_files import read_lines
 from hf_blockwise.tools import profile
-from hf_blockwise.tools.cli.arguments import check_shipped_model, positive_int, require_tokenizer
+from hf_blockwise.tools.cli.arguments import (
+    check_shipped_model,
+    positive_float,
+    positive_int,
+    require_tokenizer,
+    unit_interval,
+)
 from hf_blockwise.tools.cli.demo import DEMO_SENTENCES
 
 
@@ -23,7 +30,10 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     calls = questions.add_parser("calls", help="one decoder call of 1..N tokens against its weights' bytes' time")
     steps = questions.add_parser("step", help="a blockwise decode's time: verification, drafting, bookkeeping")
     differ = questions.add_parser("divergences", help="where blockwise output departs from greedy, and the top-2 gap")
-    for question in (calls, steps, differ):
+    accept = questions.add_parser(
+        "acceptance", help="how often sampling keeps a first draft: speculative sampling against shared noise"
+    )
+    for question in (calls, steps, differ, accept):
         question.add_argument("--model", default=None, help="model directory (default: the shipped marian-base-en-de)")
         question.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     calls.add_argument("--max-tokens", type=positive_int, default=8, help="time calls of 1..N tokens")
@@ -33,11 +43,16 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
         help="which calls to time",
     )  # fmt: skip
     calls.add_argument("--torch-profile", action="store_true", help="with torch.profiler's table")
-    for question in (steps, differ):
+    for question in (steps, differ, accept):
         question.add_argument("--source-file", default=None, help="one source per line (default: the demo's sentences)")
         question.add_argument("--sentences", type=positive_int, default=100, help="the first N sources")
         question.add_argument("--drafter", choices=[n for n in DRAFTER_NAMES if n != "none"], default="feature")
         question.add_argument("--block-size", type=positive_int, default=None, help="the drafter's k")
+        question.add_argument("--max-new-tokens", type=positive_int, default=128, help="length limit")
+    accept.add_argument("--temperature", type=positive_float, default=0.7, help="sampling temperature")
+    accept.add_argument("--top-p", type=unit_interval, default=0.9, help="sampling top-p")
+    accept.add_argument("--draws", type=positive_int, default=256, help="noise draws per position")
+    for question in (steps, differ):
         question.add_argument("--tree-nodes", type=positive_int, default=None, help="draft trees of this many nodes")
         question.add_argument("--tree-branching", type=positive_int, default=2, help="candidates per node of a tree")
         precision = question.add_mutually_exclusive_group()
@@ -46,7 +61,6 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
             "--int8-drafter", action="store_true", help="the float32 base with its feature drafter's layer in int8"
         )
         question.add_argument("--compiled", action="store_true", help="verify through the compiled engine")
-        question.add_argument("--max-new-tokens", type=positive_int, default=128, help="length limit")
 
 
 def run_profile_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -67,6 +81,8 @@ def run_profile_command(parser: argparse.ArgumentParser, args: argparse.Namespac
         loaded = load_model(model)
         _print_calls(loaded, args, threads)
         return 0
+    if args.question == "acceptance":
+        return _print_acceptance(parser, args, model, threads)
     loaded = load_model(model, int8=args.int8)
     if args.int8_drafter:
         loaded = loaded.int8_drafter_copy()
@@ -112,3 +128,23 @@ def _print_calls(loaded: LoadedModel, args: argparse.Namespace, threads: int) ->
     if args.torch_profile:  # int8 made above
         print("\nWhere a compiled int8 call of 3 tokens spends its time (20 calls; divide by 20 for one):\n")
         print("```\n" + profile.profile_compiled_call(int8, loaded.tokenizer) + "\n```")
+
+
+def _print_acceptance(parser: argparse.ArgumentParser, args: argparse.Namespace, model: str, threads: int) -> int:
+    loaded = load_model(model)
+    try:
+        drafter = build_drafter(args.drafter, loaded, DrafterOptions(block_size=args.block_size))
+        sources = (read_lines(args.source_file) if args.source_file else DEMO_SENTENCES)[: args.sentences]
+    except ValueError as error:  # a drafter the model lacks; a file that is not UTF-8
+        parser.error(str(error))
+    result = profile.sampling_acceptance(
+        loaded.base, loaded.tokenizer, sources, drafter, args.temperature, args.top_p, args.max_new_tokens, args.draws
+    )
+    print(f"{model}, {len(sources)} sentences, batch 1, {threads} threads, drafter {args.drafter}, "
+          f"k = {drafter.block_size}, temperature {args.temperature}, top-p {args.top_p}")  # fmt: skip
+    print("| construction | a first draft kept |\n|---|---|")
+    print(f"| speculative sampling, min(1, p/q) (expected) | {result.speculative:.3f} |")
+    print(f"| shared noise, the loop's (expected over {args.draws} draws) | {result.shared_noise:.3f} |")
+    print(f"| shared noise, these decodes | {result.kept:.3f} |")
+    print(f"({result.drafts} first drafts; {result.tokens_per_call:.2f} tokens per verification call)")
+    return 0
