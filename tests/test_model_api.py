@@ -212,7 +212,7 @@ def test_streamer_receives_every_token_then_end(tiny_models, through: str) -> No
             "num_beam_groups=2 selects 'group_beam_search'. Use num_beam_groups=1",
         ),
         ({"penalty_alpha": 0.6, "top_k": 4}, "contrastive_search"),
-        ({"output_logits": True, "return_dict_in_generate": True}, "output_logits=True is not supported"),
+        ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions=True is not supported"),
         ({"use_cache": False}, "needs the KV cache"),
         ({"cache_implementation": "static"}, "cache_implementation='static' is not supported"),
     ],

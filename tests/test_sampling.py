@@ -274,15 +274,17 @@ def _rows_ending_apart(base, batch: dict, max_new_tokens: int) -> list[int]:
 
 
 @pytest.mark.parametrize("architecture", ["bart", "t5"])  # the tiny Marian repeats one token
-def test_output_scores_are_the_searchs_scores_and_nan_after_a_rows_end(tiny_models, architecture: str) -> None:
-    """`output_scores=True` through the loop with drafts (right most of the time): greedy search's processed scores
-    of every generated token, and sampling's warped ones (transformers' greedy search on the warpers and the shared
-    noise scores them perturbed: the same once the noise is taken off); NaN where a row has ended and transformers
-    scores the padding it feeds. Up to float: a verification call sums in another order than one-token calls."""
+def test_output_scores_and_logits_are_the_searchs_and_nan_after_a_rows_end(tiny_models, architecture: str) -> None:
+    """`output_scores=True` and `output_logits=True` through the loop with drafts (right most of the time): greedy
+    search's processed scores of every generated token, and sampling's warped ones (transformers' greedy search on
+    the warpers and the shared noise scores them perturbed: the same once the noise is taken off), and the raw logits;
+    NaN where a row has ended and transformers scores the padding it feeds. Up to float: a verification call sums in
+    another order than one-token calls."""
     base = tiny_models[architecture]
     batch = random_batch(base, 3, seed=7)
     eos = _rows_ending_apart(base, batch, 14)
-    kwargs = {"max_new_tokens": 14, "eos_token_id": eos, "return_dict_in_generate": True, "output_scores": True}
+    kwargs = {"max_new_tokens": 14, "eos_token_id": eos, "return_dict_in_generate": True, "output_scores": True,
+              "output_logits": True}  # fmt: skip
     pad = base.generation_config.pad_token_id
     for sample in (False, True):
         seed, arguments, warpers = 8, *WARPERS["top_k"]
@@ -298,19 +300,24 @@ def test_output_scores_are_the_searchs_scores_and_nan_after_a_rows_end(tiny_mode
         output = base.generate(**batch, **kwargs, do_sample=sample, custom_generate=blockwise_generate,
                                assistant=drafter, **(arguments if sample else {}))  # fmt: skip
         assert torch.equal(output.sequences, expected.sequences)
-        assert len(output.scores) == len(expected.scores) == int(lengths.max())
+        assert len(output.scores) == len(expected.scores) == len(output.logits) == int(lengths.max())
         for step, (scores, reference) in enumerate(zip(output.scores, expected.scores, strict=True)):
-            live = step < lengths  # (b,)
-            assert torch.isnan(scores[~live]).all() and not torch.isnan(scores[live]).any(), step
             if sample:  # the reference's kept tokens carry the noise of their row and position
                 positions = torch.full((3, 1), step + 1)
-                reference = (
-                    reference - shared_gumbel_noise(noise.seed, torch.arange(3), positions, reference.shape[-1])[:, 0]
-                )
-            finite = torch.isfinite(reference[live])
-            assert torch.equal(torch.isfinite(scores[live]), finite), step
-            scale = float(reference[live][finite].abs().max())  # T5's scores reach ~80
-            torch.testing.assert_close(scores[live][finite], reference[live][finite], atol=2e-5 * scale, rtol=0)
+                noise_there = shared_gumbel_noise(noise.seed, torch.arange(3), positions, reference.shape[-1])[:, 0]
+                reference = reference - noise_there
+            _assert_live_rows_close(scores, reference, step < lengths)
+            _assert_live_rows_close(output.logits[step], expected.logits[step], step < lengths)
+
+
+def _assert_live_rows_close(values: torch.Tensor, reference: torch.Tensor, live: torch.Tensor) -> None:
+    """NaN in the rows that have ended, none in the others, whose values are the reference's up to float (where the
+    reference is finite: warpers remove tokens)."""
+    assert torch.isnan(values[~live]).all() and not torch.isnan(values[live]).any()
+    finite = torch.isfinite(reference[live])
+    assert torch.equal(torch.isfinite(values[live]), finite)
+    scale = float(reference[live][finite].abs().max())  # T5's scores reach ~80
+    torch.testing.assert_close(values[live][finite], reference[live][finite], atol=2e-5 * scale, rtol=0)
 
 
 def test_output_scores_with_trees_are_refused_by_name(tiny_models) -> None:

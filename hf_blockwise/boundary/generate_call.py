@@ -34,7 +34,6 @@ from hf_blockwise.boundary.processors import StopRules, split_stopping_criteria
 
 # generate() arguments whose meaning a blockwise loop cannot keep; each maps to the reason shown.
 _UNSUPPORTED_FLAGS = {
-    "output_logits": "per-step logits",
     "output_attentions": "attention maps",
     "output_hidden_states": "hidden states",
 }
@@ -307,8 +306,8 @@ class BlockwiseGenerateOutput(GenerateEncoderDecoderOutput):
 
     `past_key_values` is left `None`: rows end a blockwise run with caches of different valid lengths. With
     `output_scores=True`, `scores` holds greedy search's processed (and, sampling, warped) scores of every generated
-    token; a row's entries after its end are NaN where other rows decode on (greedy search scores the padding it
-    feeds there, which a blockwise run does not feed).
+    token, with `output_logits=True` `logits` their raw logits; a row's entries after its end are NaN where other
+    rows decode on (greedy search scores the padding it feeds there, which a blockwise run does not feed).
 
     Attributes:
         decoding_stats ([`DecodingStats`]): decoder forwards, tokens accepted per step and row, mean block.

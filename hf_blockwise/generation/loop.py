@@ -22,7 +22,7 @@ from hf_blockwise.generation.acceptance import AcceptanceRule, ExactAcceptance, 
 from hf_blockwise.generation.beam import BeamSetup, beam_search, initial_beam_state
 from hf_blockwise.generation.capability import check_decoder, check_tree_decoder, check_verification_width
 from hf_blockwise.generation.sampling import call_seed
-from hf_blockwise.generation.state import DecodingSetup, DecodingState, DecodingStats
+from hf_blockwise.generation.state import DecodingSetup, DecodingState, DecodingStats, GeneratedScores
 from hf_blockwise.generation.step import decode_step
 
 
@@ -99,18 +99,24 @@ def finish(
         return output_ids
     accepted = torch.stack(state.accepted).cpu()
     stats = DecodingStats(num_forwards=len(state.accepted), accepted=accepted, compiled_forwards=compiled_forwards)
-    scores = generated_scores(state, output_ids.shape[1] - prompt_length, prompt_length) if state.scores else None
-    return hf.BlockwiseGenerateOutput(sequences=output_ids, scores=scores, decoding_stats=stats)
+    steps = output_ids.shape[1] - prompt_length
+    scores, logits = (
+        generated_scores(kept, output_ids.shape[0], steps, prompt_length) for kept in (state.scores, state.logits)
+    )
+    return hf.BlockwiseGenerateOutput(sequences=output_ids, scores=scores, logits=logits, decoding_stats=stats)
 
 
-def generated_scores(state: DecodingState, num_steps: int, prompt_length: int) -> tuple[torch.Tensor, ...]:
-    """The kept scores as greedy search returns them: one `(batch_size, vocab_size)` tensor per generated position,
-    NaN for rows that had ended there (greedy search scores the padding it feeds them)."""
-    first = state.scores[0].scores
-    batch_size = state.output.shape[0]
-    table = first.new_full((num_steps, batch_size, first.shape[-1]), float("nan"))  # (T, B, V)
-    for kept in state.scores:  # in step order: a position is decided once
-        table[kept.positions - prompt_length, kept.rows] = kept.scores
+def generated_scores(
+    kept: list[GeneratedScores], batch_size: int, num_steps: int, prompt_length: int
+) -> tuple[torch.Tensor, ...] | None:
+    """Kept scores (or logits) as greedy search returns them: one `(batch_size, vocab_size)` tensor per generated
+    position, NaN for rows that had ended there (greedy search scores the padding it feeds them); `None` if none."""
+    if not kept:
+        return None
+    vocab_size = kept[0].scores.shape[-1]
+    table = kept[0].scores.new_full((num_steps, batch_size, vocab_size), float("nan"))  # (T, B, V)
+    for step in kept:  # in step order: a position is decided once
+        table[step.positions - prompt_length, step.rows] = step.scores
     return tuple(table.unbind(0))
 
 
@@ -169,14 +175,16 @@ def decoding_setup(
     """What stays fixed during the call, once the model is known to verify `block_size` tokens per pass exactly
     (checked here when `block_size > 1`; an [`UnsupportedModelError`] otherwise). With `do_sample=True` the call's
     seed is drawn: decisions are greedy on scores perturbed by its shared noise (`sampling.py`). With
-    `output_scores=True` (and `return_dict_in_generate=True`), the scores of every generated token are kept (chains
-    only)."""
-    output_scores = bool(generation_config.output_scores and generation_config.return_dict_in_generate)
-    if output_scores and drafter.tree_nodes is not None:
+    `output_scores=True` / `output_logits=True` (and `return_dict_in_generate=True`), the scores / raw logits of every
+    generated token are kept (chains only)."""
+    kept = {flag: bool(getattr(generation_config, flag) and generation_config.return_dict_in_generate)
+            for flag in ("output_scores", "output_logits")}  # fmt: skip
+    if any(kept.values()) and drafter.tree_nodes is not None:
+        flags = " and ".join(f"{flag}=True" for flag, on in kept.items() if on)
         raise ValueError(
-            f"output_scores=True is not supported with a drafter of trees ({type(drafter).__name__} with tree_nodes="
+            f"{flags} is not supported with a drafter of trees ({type(drafter).__name__} with tree_nodes="
             f"{drafter.tree_nodes}): a tree step keeps only its accepted path. Use a chain drafter (tree_nodes=None) "
-            "or generate without output_scores."
+            "or generate without it."
         )
     capability = None
     if block_size > 1:
@@ -199,7 +207,8 @@ def decoding_setup(
         position_limit=hf.decoder_position_limit(model),
         sampling_seed=call_seed() if generation_config.do_sample else None,
         sampling_temperature=float(generation_config.temperature or 1.0),
-        output_scores=output_scores,
+        output_scores=kept["output_scores"],
+        output_logits=kept["output_logits"],
     )
 
 

@@ -85,6 +85,8 @@ class DecodingSetup:
             the same noise ([`DraftNoise`]).
         output_scores (`bool`): keep the scores of every generated token (`output_scores=True` with
             `return_dict_in_generate=True`), in [`DecodingState.scores`].
+        output_logits (`bool`): keep the raw logits of every generated token (`output_logits=True`), in
+            [`DecodingState.logits`].
         engine ([`CompiledDecoder`], *optional*): the compiled verification forward (`blockwise_compile=`); `None`
             runs transformers' forward eagerly.
         position_limit (`int`, *optional*): positions the decoder has (a learned table ends), `None` when unbounded:
@@ -106,6 +108,7 @@ class DecodingSetup:
     sampling_seed: int | None = None
     sampling_temperature: float = 1.0
     output_scores: bool = False
+    output_logits: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,7 @@ class DecodingState:
         accepted (`list[torch.LongTensor]`): per step, tokens gained per caller row, shape `(batch_size,)`.
         scores (`list[GeneratedScores]`): with `DecodingSetup.output_scores`, per step, the scores that decided the
             step's new tokens.
+        logits (`list[GeneratedScores]`): with `DecodingSetup.output_logits`, per step, their raw logits.
     """
 
     sequences: torch.Tensor
@@ -153,6 +157,7 @@ class DecodingState:
     output_lengths: torch.Tensor
     accepted: list[torch.Tensor] = field(default_factory=list)
     scores: list[GeneratedScores] = field(default_factory=list)
+    logits: list[GeneratedScores] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -161,7 +166,8 @@ class DecodingState:
 
 @dataclass(frozen=True)
 class GeneratedScores:
-    """The processed scores that decided some generated tokens (`output_scores=True`), one vector per token.
+    """The processed scores (`output_scores=True`) or raw logits (`output_logits=True`) that decided some generated
+    tokens, one vector per token.
 
     Attributes:
         rows (`torch.LongTensor` of shape `(n,)`): each token's row in the caller's batch.

@@ -235,16 +235,31 @@ def verify(
     return new_tokens, num_accepted
 
 
-def new_token_scores(state: DecodingState, scores: torch.Tensor, num_new: torch.Tensor) -> GeneratedScores:
-    """The scores that decided each row's `num_new` new tokens (decision i decides the token at `lengths + i`).
+def keep_token_outputs(
+    state: DecodingState, setup: DecodingSetup, scores: torch.Tensor, logits: torch.Tensor | None, num_new: torch.Tensor
+) -> DecodingState:
+    """`state` with the scores (`output_scores`) and the raw logits (`output_logits`) that decided each row's
+    `num_new` new tokens appended (decision i decides the token at `lengths + i`).
 
     Args:
         scores (`torch.FloatTensor` of shape `(num_rows, num_decisions, vocab_size)`): processed, unperturbed.
+        logits (`torch.FloatTensor` of shape `(num_rows, num_decisions, vocab_size)`, *optional*): before the
+            processors; `None` unless the call keeps them.
         num_new (`torch.LongTensor` of shape `(num_rows,)`).
     """
     offsets = torch.arange(scores.shape[1], device=scores.device)
-    row, decision = (offsets < num_new[:, None]).nonzero(as_tuple=True)  # (n,), (n,): a read, with output_scores only
-    return GeneratedScores(rows=state.rows[row], positions=state.lengths[row] + decision, scores=scores[row, decision])
+    row, decision = (offsets < num_new[:, None]).nonzero(as_tuple=True)  # (n,), (n,): a read, only when kept
+
+    def kept(values: torch.Tensor) -> GeneratedScores:
+        return GeneratedScores(
+            rows=state.rows[row], positions=state.lengths[row] + decision, scores=values[row, decision]
+        )
+
+    return dataclasses.replace(
+        state,
+        scores=[*state.scores, kept(scores)] if setup.output_scores else state.scores,
+        logits=[*state.logits, kept(logits)] if logits is not None else state.logits,
+    )
 
 
 def truncate_at_stops(
@@ -434,13 +449,15 @@ def chain_step(state: DecodingState, setup: DecodingSetup, request: DraftRequest
     """Verifies each row's chain of drafts in one forward."""
     feed = build_feed(state, setup, drafts, request.max_drafts)
     logits, states = run_decoder(state, setup, feed.tokens)  # (b, W, V), (b, W, d) or None
+    logits = logits.float()
     columns = decision_columns(state, feed)  # (b, N)
-    scores = decision_scores(state, setup, feed, logits.float(), columns)  # (b, N, V)
+    scores = decision_scores(state, setup, feed, logits, columns)  # (b, N, V)
     decided = scores
     if setup.sampling_seed is not None:  # decision at column c decides position cache_length + c + 1
         decided = perturbed_scores(scores, setup.sampling_seed, state.rows, state.cache_length + columns + 1)
     new_tokens, num_accepted = verify(decided, feed, setup, columns)
-    return conclude(state, setup, request, feed, new_tokens, num_accepted, states, scores)
+    raw = logits.gather(1, columns[..., None].expand(-1, -1, logits.shape[-1])) if setup.output_logits else None
+    return conclude(state, setup, request, feed, new_tokens, num_accepted, states, (scores, raw))
 
 
 def tree_step(state: DecodingState, setup: DecodingSetup, request: DraftRequest, drafts: Drafts) -> DecodingState:
@@ -466,18 +483,18 @@ def conclude(
     new_tokens: torch.Tensor,
     num_accepted: torch.Tensor,
     states: torch.Tensor | None,
-    scores: torch.Tensor | None = None,
+    decisions: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> DecodingState:
     """The end of a step: stopping rules on the new tokens (accepted drafts, then the base's own), the streamer,
-    the scores of the new tokens where the call keeps them (`scores`: `(b, N, V)`, a chain step's, unperturbed),
-    and [`advance`]."""
+    the new tokens' scores and logits where the call keeps them ([`keep_token_outputs`]; `decisions`: a chain step's
+    unperturbed scores and, with `output_logits`, raw logits, each `(b, N, V)`), and [`advance`]."""
     setup.drafter.update_candidate_strategy(request, num_accepted)
     num_new, stopped = truncate_at_stops(state, setup, new_tokens, (num_accepted + 1) * feed.deciding)
     if setup.streamer is not None and int(num_new[0]) > 0:  # batch size 1 only
         setup.streamer.put(new_tokens[0, : int(num_new[0])].cpu())
-    if setup.output_scores:
-        if scores is None:
-            raise ValueError("output_scores=True: a tree step keeps no per-token scores")  # refused before decoding
-        state = dataclasses.replace(state, scores=[*state.scores, new_token_scores(state, scores, num_new)])
+    if setup.output_scores or setup.output_logits:
+        if decisions is None:  # refused before decoding (`loop.decoding_setup`)
+            raise ValueError("output_scores / output_logits: a tree step keeps no per-token scores")
+        state = keep_token_outputs(state, setup, *decisions, num_new)
     verdict = Verdict(new_tokens=new_tokens, num_new=num_new, num_accepted=num_accepted, stopped=stopped)
     return advance(state, setup, feed, verdict, states)
