@@ -282,13 +282,19 @@ def test_int8_products_compile_to_the_same_numbers(freezing: bool) -> None:
             assert torch.equal(compiled(inputs), layer(inputs))
 
 
-def test_the_int8_copy_quantizes_the_feature_drafter_on_the_quantized_base() -> None:
+def test_the_int8_copy_puts_a_float_feature_drafter_on_the_quantized_base() -> None:
+    """The int8 copy drafts from the int8 base's states with a float32 copy of the drafter's layer (its block runs
+    on the GEMM template); the int8 drafter copy quantizes the layer over the float base."""
     base = build_model("marian", seed=5)
     feature = FeatureDrafterModel(base, FeatureDrafterConfig(block_size=3)).eval()
     loaded = LoadedModel(base=base, tokenizer=None, feature_model=feature)
     quantized = loaded.int8_copy()
-    assert quantized.feature_model.base_model is quantized.base
-    assert not any(type(module) is torch.nn.Linear for module in quantized.feature_model.modules())
+    assert quantized.feature_model.base_model is quantized.base and quantized.feature_model is not feature
+    assert not any(type(module) is torch.nn.Linear for module in quantized.base.modules() if module is not
+                   quantized.base.get_output_embeddings())  # fmt: skip
+    assert any(type(module) is torch.nn.Linear for module in quantized.feature_model.layer.modules())
+    int8_drafter = loaded.int8_drafter_copy().feature_model
+    assert int8_drafter.base_model is base and not any(type(m) is torch.nn.Linear for m in int8_drafter.layer.modules())
     assert any(type(module) is torch.nn.Linear for module in feature.layer.modules())  # the float one is untouched
     batch = random_batch(base, 3, seed=6)
     greedy = quantized.base.generate(**batch, max_new_tokens=16, do_sample=False)

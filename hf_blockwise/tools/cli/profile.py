@@ -56,7 +56,9 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
         question.add_argument("--tree-nodes", type=positive_int, default=None, help="draft trees of this many nodes")
         question.add_argument("--tree-branching", type=positive_int, default=2, help="candidates per node of a tree")
         precision = question.add_mutually_exclusive_group()
-        precision.add_argument("--int8", action="store_true", help="the base and the feature drafter's layer in int8")
+        precision.add_argument(
+            "--int8", action="store_true", help="the base in int8 (the feature drafter's layer stays float32)"
+        )
         precision.add_argument(
             "--int8-drafter", action="store_true", help="the float32 base with its feature drafter's layer in int8"
         )
