@@ -112,6 +112,13 @@ class DraftNoise:
         return best[:, 0] if one_each else best
 
 
+def likely_candidates(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `SAMPLED_CANDIDATES` largest of `logits` (float32 values, indices into the last dimension, `(..., K)`):
+    the tokens a sampling call's chain draft is drawn among ([`draw_among_likely`])."""
+    likely = logits.float().topk(min(SAMPLED_CANDIDATES, logits.shape[-1]), dim=-1)
+    return likely.values, likely.indices
+
+
 def draw_among_likely(
     logits: torch.Tensor, temperature: float, noise_of: Callable[[torch.Tensor], torch.Tensor]
 ) -> torch.Tensor:
@@ -128,9 +135,9 @@ def draw_among_likely(
     Returns:
         `torch.LongTensor` of shape `(..., 1)`: indices into `logits`' last dimension.
     """
-    likely = logits.float().topk(min(SAMPLED_CANDIDATES, logits.shape[-1]), dim=-1)  # (..., K)
-    pick = (likely.values / temperature + noise_of(likely.indices)).argmax(dim=-1, keepdim=True)
-    return likely.indices.gather(-1, pick)
+    values, indices = likely_candidates(logits)  # (..., K)
+    pick = (values / temperature + noise_of(indices)).argmax(dim=-1, keepdim=True)
+    return indices.gather(-1, pick)
 
 
 @dataclass

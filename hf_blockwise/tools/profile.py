@@ -27,7 +27,7 @@ from torch import nn
 
 from hf_blockwise import blockwise_generate, first_divergence, quantize_dynamic_int8
 from hf_blockwise.drafters import feature, heads, trees
-from hf_blockwise.drafters.base import SAMPLED_CANDIDATES, Drafter
+from hf_blockwise.drafters.base import Drafter, likely_candidates
 from hf_blockwise.evaluation.cost_curve import CAPTION, compiled_call, decoder_cost_curve
 from hf_blockwise.generation import loop, step
 
@@ -357,9 +357,9 @@ def _first_drafts(drafter: Drafter, records: list[tuple[int, int, torch.Tensor, 
             one_each = positions.dim() == 1  # heads draft every depth at once: (b, n); the first is depth 0
             first, first_logits = (positions, logits) if one_each else (positions[:, 0], logits[:, 0])
             draft = drafted[0][..., 0] if one_each else drafted[0][:, 0, 0]  # (b,)
-            likely = first_logits.float().topk(min(SAMPLED_CANDIDATES, first_logits.shape[-1]), dim=-1)  # (b, K)
-            ids = likely.indices if token_ids is None else token_ids[likely.indices]
-            proposal = (likely.values / sampling.temperature).softmax(dim=-1)
+            values, indices = likely_candidates(first_logits)  # (b, K): what the draft was drawn among
+            ids = indices if token_ids is None else token_ids[indices]
+            proposal = (values / sampling.temperature).softmax(dim=-1)
             for row in (first == steps["lengths"]).nonzero().flatten().tolist():
                 records.append((int(first[row]), int(draft[row]), ids[row], proposal[row]))
         return drafted
