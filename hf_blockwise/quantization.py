@@ -118,6 +118,7 @@ class Int8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
+        self.train(linear.training)  # in the mode of the model it joins (a module starts in training mode)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -39,6 +41,24 @@ def build_model(architecture: str, seed: int = 0) -> PreTrainedModel:
 @pytest.fixture(scope="session")
 def tiny_models() -> dict[str, PreTrainedModel]:
     return {name: build_model(name) for name in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def greedy_of(tiny_models) -> Callable[..., torch.Tensor]:
+    """transformers' greedy output of a tiny model on `random_batch(model, batch_size, seed)`, computed once per
+    worker for each (architecture, batch, generate arguments): the exactness matrix compares many drafters and
+    rules with one reference. A copy each time, so that no test can change another's reference."""
+    outputs: dict[str, torch.Tensor] = {}
+
+    def greedy(architecture: str, batch_size: int, seed: int, **kwargs: Any) -> torch.Tensor:
+        key = repr((architecture, batch_size, seed, sorted(kwargs.items())))
+        if key not in outputs:
+            model = tiny_models[architecture]
+            batch = random_batch(model, batch_size, seed)
+            outputs[key] = model.generate(**batch, do_sample=False, num_beams=1, **kwargs)
+        return outputs[key].clone()
+
+    return greedy
 
 
 def random_batch(model: PreTrainedModel, batch_size: int, seed: int, max_source_length: int = 12) -> dict:

@@ -170,6 +170,38 @@ def test_writes_through_data_are_seen_and_recompiled() -> None:
     _assert_equal_or_near_tie(model, batch, eager, after)
 
 
+def _swap_activation(model) -> None:
+    for layer in model.get_decoder().layers:  # a submodule without weights replaced: the weights are the same
+        layer.activation_fn = torch.nn.Tanh()
+
+
+def _sharpen_attention(model) -> None:
+    for layer in model.get_decoder().layers:
+        layer.encoder_attn.scaling = 30.0
+
+
+@pytest.mark.parametrize("change", [_swap_activation, _sharpen_attention])
+def test_changed_module_attributes_are_recompiled_not_served_stale(change) -> None:
+    """The engine leaves dynamo's guards on module attributes out (they cost ~0.3 ms a call) and compares the
+    modules, their flags, plain attributes and config once per generate instead: a submodule swapped or an attribute
+    changed after a compiled generate warns, compiles again and decodes the changed model (dynamo alone, for time)."""
+    model = build_model("marian", seed=4)
+    batch = random_batch(model, 2, seed=3)
+    options = CompileOptions(backend="eager")
+    before = _generate(model, batch, blockwise_compile=options)
+    engine = compiled_decoder(model, options)
+    change(model)
+    with pytest.warns(UserWarning, match="plain attributes or config of this MarianMTModel changed since"):
+        after = _generate(model, batch, blockwise_compile=options)
+    assert compiled_decoder(model, options) is not engine
+    eager = model.generate(**batch, max_new_tokens=20)
+    assert not torch.equal(eager, before)  # the output changed: a stale graph would be seen
+    _assert_equal_or_near_tie(model, batch, eager, after)
+    with warnings.catch_warnings():  # unchanged since: served as it is, no warning
+        warnings.simplefilter("error")
+        assert torch.equal(_generate(model, batch, blockwise_compile=options), after)
+
+
 def test_the_weights_snapshot_sees_a_strided_write_and_nothing_else() -> None:
     model = build_model("bart", seed=1)
     snapshot = engine_module.WeightsSnapshot(model)

@@ -117,12 +117,12 @@ def blockwise_output(base, batch, greedy, drafter_name: str, block_size: int, se
 @pytest.mark.parametrize("arguments", sorted(GENERATE_ARGUMENTS))
 @pytest.mark.parametrize("drafter_name", DRAFTERS)
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
-def test_blockwise_equals_greedy(tiny_models, architecture: str, drafter_name: str, arguments: str) -> None:
+def test_blockwise_equals_greedy(tiny_models, greedy_of, architecture: str, drafter_name: str, arguments: str) -> None:
     base = tiny_models[architecture]
     kwargs = GENERATE_ARGUMENTS[arguments](base)
     for batch_size, seed, block_size in [(1, 0, 3), (3, 1, 4), (8, 2, 6)]:
         batch = random_batch(base, batch_size, seed)
-        greedy = base.generate(**batch, do_sample=False, num_beams=1, **kwargs)
+        greedy = greedy_of(architecture, batch_size, seed, **kwargs)
         output = blockwise_output(base, batch, greedy, drafter_name, block_size, seed, ExactAcceptance(), kwargs)
         assert_same_as_greedy(base, batch, greedy, output)
 
@@ -130,14 +130,16 @@ def test_blockwise_equals_greedy(tiny_models, architecture: str, drafter_name: s
 @pytest.mark.parametrize("rule_name", sorted(LOSSLESS_RULES))
 @pytest.mark.parametrize("drafter_name", ["heads", "noisy_oracle", "input_copy", "nar"])
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
-def test_lossless_settings_of_every_rule_equal_greedy(tiny_models, architecture, drafter_name, rule_name) -> None:
+def test_lossless_settings_of_every_rule_equal_greedy(
+    tiny_models, greedy_of, architecture, drafter_name, rule_name
+) -> None:
     base = tiny_models[architecture]
     rule = LOSSLESS_RULES[rule_name](base.config.vocab_size)
     assert rule.lossless
     kwargs = {"max_new_tokens": 20, "repetition_penalty": 1.3}
     for batch_size, seed, block_size in [(1, 3, 4), (5, 4, 5)]:
         batch = random_batch(base, batch_size, seed)
-        greedy = base.generate(**batch, do_sample=False, num_beams=1, **kwargs)
+        greedy = greedy_of(architecture, batch_size, seed, **kwargs)
         output = blockwise_output(base, batch, greedy, drafter_name, block_size, seed, rule, kwargs)
         assert_same_as_greedy(base, batch, greedy, output)
 
