@@ -233,8 +233,11 @@ class CompiledModule:
         module (`nn.Module`): what to compile, built for this engine alone: its `forward` is given a code object of
             its own ([`own_code`]), so that its graphs are its own; dynamo sees its weights as parameters.
         options ([`CompileOptions`]).
-        owner (`nn.Module`): the model whose weights `module` uses (or derives buffers from): the snapshot that
-            tells a stale graph ([`WeightsSnapshot`]) is taken of it.
+        owner (`nn.Module`): the model whose weights `module` uses (or derives buffers from): the snapshots that
+            tell a stale graph ([`WeightsSnapshot`], [`ModuleState`]) are taken of it. Dynamo's guards on module
+            attributes are left out of the compiled calls (`guard_filter_fn`): the snapshots, compared once per
+            `generate` ([`compiled_decoder`]), watch what they watched, so `owner` must hold every module that
+            `module` reads (a drafter's model holds its base).
         own_products (`bool`): on CPU with inductor, run [`fixed_order.own_products`] on each graph (the
             verification forward: one arithmetic); drafting blocks, whose bits decide nothing, keep the libraries'
             attention. Either goes through [`fixed_order.inductor_backend`], on the GEMM template where
