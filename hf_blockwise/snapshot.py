@@ -59,8 +59,9 @@ class TensorSnapshot:
         return all(torch.equal(torch.cat(views), self.reference[dtype]) for dtype, views in self.samples.items())
 
 
-# attribute values compared by value; any other attribute is compared by identity (the object it names)
-_VALUE_TYPES = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device)
+# attribute values compared by value (floats by their text, so that a NaN equals itself); any other attribute is
+# compared by identity (the object it names)
+_VALUE_TYPES = (bool, int, str, bytes, type(None), torch.dtype, torch.device)
 
 
 class ModuleState:
@@ -87,7 +88,7 @@ class ModuleState:
                 id(module),
                 module.training,
                 tuple(
-                    (name, value if isinstance(value, _VALUE_TYPES) else (type(value), id(value)))
+                    (name, _value(value))
                     for name, value in vars(module).items()
                     if not name.startswith("_")  # parameters, buffers, submodules and hooks: watched elsewhere
                 ),
@@ -100,3 +101,9 @@ class ModuleState:
     def matches(self, model: torch.nn.Module) -> bool:
         """Whether `model`'s modules, flags, plain attributes and config are still those of the snapshot."""
         return self._state(model) == self.state
+
+
+def _value(value: object) -> object:
+    if isinstance(value, float):
+        return repr(value)
+    return value if isinstance(value, _VALUE_TYPES) else (type(value), id(value))

@@ -24,6 +24,7 @@ from hf_blockwise.engine import CompileOptions, compiled_decoder, drop_compiled,
 from hf_blockwise.evaluation.harness import measure
 from hf_blockwise.modeling.config import FeatureDrafterConfig
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
+from hf_blockwise.snapshot import ModuleState
 
 # a logit gap below this is a floating-point near-tie between eager and compiled kernels (fp32)
 NEAR_TIE = 1e-3
@@ -200,6 +201,19 @@ def test_changed_module_attributes_are_recompiled_not_served_stale(change) -> No
     with warnings.catch_warnings():  # unchanged since: served as it is, no warning
         warnings.simplefilter("error")
         assert torch.equal(_generate(model, batch, blockwise_compile=options), after)
+
+
+def test_the_module_state_sees_flags_attributes_and_config_and_nothing_else() -> None:
+    model = build_model("bart", seed=1)
+    model.get_decoder().layers[0].nan_attribute = float("nan")  # equal to itself in the snapshot
+    state = ModuleState(model)
+    assert state.matches(model)
+    model.get_decoder().layers[0].fc1.train()
+    assert not state.matches(model)
+    model.eval()
+    assert state.matches(model)
+    model.config.use_cache = not model.config.use_cache
+    assert not state.matches(model)
 
 
 def test_the_weights_snapshot_sees_a_strided_write_and_nothing_else() -> None:
