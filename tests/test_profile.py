@@ -7,7 +7,9 @@ import pytest
 from conftest import save_with_random_heads
 
 from hf_blockwise.drafters import feature, heads, trees
+from hf_blockwise.engine import CompileOptions
 from hf_blockwise.generation import loop, step
+from hf_blockwise.loading import load_model
 from hf_blockwise.tools import profile
 from hf_blockwise.tools.cli import main
 
@@ -57,6 +59,17 @@ def test_divergences_and_call_costs_are_reported(saved_model: str, capsys) -> No
     assert int8_bytes == pytest.approx(float_bytes / 4, rel=0.05)  # the int8 kind streams a quarter of the bytes
     with pytest.raises(ValueError, match="unknown call kinds"):
         profile.call_cost_rows(None, None, ["int4 eager"])
+
+
+def test_guard_cost_pairs_calls_with_and_without_guards(saved_model: str) -> None:
+    """`hf-blockwise profile calls --guards`: a compiled call's time with dynamo's guards, and what they cost
+    (dynamo alone, for time: the guards are dynamo's, whatever the backend)."""
+    loaded = load_model(saved_model)
+    eager = CompileOptions(backend="eager")
+    costs = profile.guard_cost(loaded.base, loaded.tokenizer, widths=(1, 3), blocks=3, calls=4, options=eager)
+    assert set(costs) == {1, 3}
+    for ms, guards in costs.values():
+        assert ms > 0 and guards < ms
 
 
 def test_sampling_acceptance_compares_the_two_constructions_on_first_drafts(saved_model: str, capsys) -> None:

@@ -97,11 +97,13 @@ def speedup_ceiling(curve: Sequence[tuple[int, float]], mean_accepted: float, to
 
 
 @torch.no_grad()
-def compiled_call(model: nn.Module, tokenizer: Any, width: int, sentence: str = CAPTION) -> Callable[[], None]:
+def compiled_call(
+    model: nn.Module, tokenizer: Any, width: int, sentence: str = CAPTION, options: CompileOptions | None = None
+) -> Callable[[], None]:
     """A function that runs one compiled decoder call of `width` tokens, batch 1, after the decoder start token
-    (the engine built, the encoder run and the cache prefilled here), and crops the cache back; run it once to
-    compile."""
-    engine = compiled_decoder(model, CompileOptions())
+    (the engine built with `options`, the defaults by default; the encoder run and the cache prefilled here), and
+    crops the cache back; run it once to compile."""
+    engine = compiled_decoder(model, options or CompileOptions())
     if engine is None:
         raise RuntimeError("the compiled engine is unavailable here (see the warning): nothing to profile")
     inputs = tokenizer([sentence], return_tensors="pt")

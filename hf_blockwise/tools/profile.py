@@ -28,6 +28,7 @@ from torch import nn
 from hf_blockwise import blockwise_generate, first_divergence, quantize_dynamic_int8
 from hf_blockwise.drafters import feature, heads, trees
 from hf_blockwise.drafters.base import Drafter, likely_candidates
+from hf_blockwise.engine import CompileOptions
 from hf_blockwise.evaluation.cost_curve import CAPTION, compiled_call, decoder_cost_curve
 from hf_blockwise.generation import loop, step
 
@@ -134,6 +135,45 @@ def profile_compiled_call(model: nn.Module, tokenizer: Any, calls: int = 20, wid
             call()
     averages = profile.key_averages(group_by_input_shape=True)
     return averages.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40)
+
+
+def guard_cost(
+    model: nn.Module,
+    tokenizer: Any,
+    widths: Sequence[int] = (1, 5),
+    blocks: int = 15,
+    calls: int = 40,
+    options: CompileOptions | None = None,
+) -> dict[int, tuple[float, float]]:
+    """What dynamo's guards cost a compiled decoder call of each width (batch 1): blocks of `calls` calls with the
+    guards checked, alternating with blocks under `set_stance(skip_guard_eval_unsafe=True)` (safe here: the same
+    call again, its graph compiled), in one process so that both see the machine alike.
+
+    Returns:
+        `dict[int, tuple[float, float]]`: per width, the median call in ms with guards, and the median over the
+        block pairs of the difference (ms): what the guards cost.
+    """
+    results = {}
+    for width in widths:
+        call = compiled_call(model, tokenizer, width, options=options)
+        for _ in range(3):  # compiled, and the graph's first runs done
+            call()
+        checked, differences = [], []
+        for _ in range(blocks):
+            with_guards = _ms_per_call(call, calls)
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                without = _ms_per_call(call, calls)
+            checked.append(with_guards)
+            differences.append(with_guards - without)
+        results[width] = (statistics.median(checked), statistics.median(differences))
+    return results
+
+
+def _ms_per_call(call: Callable[[], None], calls: int) -> float:
+    begin = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return 1000 * (time.perf_counter() - begin) / calls
 
 
 @contextmanager

@@ -43,6 +43,9 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
         help="which calls to time",
     )  # fmt: skip
     calls.add_argument("--torch-profile", action="store_true", help="with torch.profiler's table")
+    calls.add_argument(
+        "--guards", action="store_true", help="what dynamo's guards cost a compiled float32 call of 1 and 5 tokens"
+    )
     for question in (steps, differ, accept):
         question.add_argument("--source-file", default=None, help="one source per line (default: the demo's sentences)")
         question.add_argument("--sentences", type=positive_int, default=100, help="the first N sources")
@@ -127,6 +130,10 @@ def _print_calls(loaded: LoadedModel, args: argparse.Namespace, threads: int) ->
     int8 = quantize_dynamic_int8(copy.deepcopy(loaded.base)) if needs_int8 else None  # one copy for both
     rows = profile.call_cost_rows(loaded.base, loaded.tokenizer, args.kinds, args.max_tokens, args.repeats, int8=int8)
     print(profile.call_cost_table(rows, from_memory, from_cache))
+    if args.guards:
+        print("\n| compiled float32 call | ms | dynamo's guards (ms) |\n|---|---|---|")
+        for width, (ms, guards) in profile.guard_cost(loaded.base, loaded.tokenizer).items():
+            print(f"| {width} tok | {ms:.2f} | {guards:.3f} |")
     if args.torch_profile:  # int8 made above
         print("\nWhere a compiled int8 call of 3 tokens spends its time (20 calls; divide by 20 for one):\n")
         print("```\n" + profile.profile_compiled_call(int8, loaded.tokenizer) + "\n```")
