@@ -11,6 +11,7 @@ import dataclasses
 import gc
 import warnings
 import weakref
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -152,23 +153,31 @@ def test_every_way_of_changing_weights_changes_the_weights_snapshot(change) -> N
     assert not snapshot.matches(model), change.__name__
 
 
-def test_writes_through_data_are_seen_and_recompiled() -> None:
-    """After a compiled generate, a write through `.data` (no version counter moves): the next compiled generate
-    warns, compiles again and decodes the new weights. Every kind of write is seen by the same snapshot (above), and
-    a rebuilt engine's frozen inductor graph decodes the new weights (the in-place test above); dynamo alone here,
-    for time."""
+def _recompiled_after(change: Callable[[torch.nn.Module], None], warning: str) -> None:
+    """A compiled generate, `change` on the model, then another: it warns (`warning`), compiles again and decodes the
+    changed model; a third, with nothing changed since, is served as it is, without a warning. Dynamo alone, for
+    time (a rebuilt engine's frozen inductor graph decoding new weights is tested in place above)."""
     model = build_model("marian", seed=4)
     batch = random_batch(model, 2, seed=3)
     options = CompileOptions(backend="eager")
     before = _generate(model, batch, blockwise_compile=options)
     engine = compiled_decoder(model, options)
-    _negate_projection(model)
-    with pytest.warns(UserWarning, match="changed since it was compiled"):
+    change(model)
+    with pytest.warns(UserWarning, match=warning):
         after = _generate(model, batch, blockwise_compile=options)
     assert compiled_decoder(model, options) is not engine
     eager = model.generate(**batch, max_new_tokens=20)
     assert not torch.equal(eager, before)  # the output changed: a stale graph would be seen
     _assert_equal_or_near_tie(model, batch, eager, after)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(_generate(model, batch, blockwise_compile=options), after)
+
+
+def test_writes_through_data_are_seen_and_recompiled() -> None:
+    """A write through `.data` (no version counter moves) after a compiled generate; every kind of write is seen by
+    the same snapshot (above)."""
+    _recompiled_after(_negate_projection, "The weights of this MarianMTModel changed since it was compiled")
 
 
 def _swap_activation(model) -> None:
@@ -185,22 +194,8 @@ def _sharpen_attention(model) -> None:
 def test_changed_module_attributes_are_recompiled_not_served_stale(change) -> None:
     """The engine leaves dynamo's guards on module attributes out (they cost ~0.3 ms a call) and compares the
     modules, their flags, plain attributes and config once per generate instead: a submodule swapped or an attribute
-    changed after a compiled generate warns, compiles again and decodes the changed model (dynamo alone, for time)."""
-    model = build_model("marian", seed=4)
-    batch = random_batch(model, 2, seed=3)
-    options = CompileOptions(backend="eager")
-    before = _generate(model, batch, blockwise_compile=options)
-    engine = compiled_decoder(model, options)
-    change(model)
-    with pytest.warns(UserWarning, match="plain attributes or config of this MarianMTModel changed since"):
-        after = _generate(model, batch, blockwise_compile=options)
-    assert compiled_decoder(model, options) is not engine
-    eager = model.generate(**batch, max_new_tokens=20)
-    assert not torch.equal(eager, before)  # the output changed: a stale graph would be seen
-    _assert_equal_or_near_tie(model, batch, eager, after)
-    with warnings.catch_warnings():  # unchanged since: served as it is, no warning
-        warnings.simplefilter("error")
-        assert torch.equal(_generate(model, batch, blockwise_compile=options), after)
+    changed after a compiled generate is seen."""
+    _recompiled_after(change, "plain attributes or config of this MarianMTModel changed since it was compiled")
 
 
 def test_the_module_state_sees_flags_attributes_and_config_and_nothing_else() -> None:
