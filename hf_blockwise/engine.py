@@ -282,12 +282,12 @@ class CompiledModule:
         # dynamo's guards on module attributes (~0.3 of a marian-base-en-de call's ~0.4 ms of guards on the EPYC) are
         # left out: `module_state` and `weights` are compared once per generate instead ([`compiled_decoder`])
         compile_options: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        if mode is not None:  # torch.compile takes a mode or options, not both: inductor's mode as its options
-            compile_options.update(torch._inductor.list_mode_options(mode) if backend == "inductor" else {})
-            mode = None if backend == "inductor" else mode
-        self._compiled = torch.compile(
-            module, backend=backend, mode=mode, dynamic=True, options=None if mode is not None else compile_options
-        )
+        if mode is not None and backend == "inductor":  # torch.compile takes a mode or options: the mode as options
+            compile_options.update(torch._inductor.list_mode_options(mode))
+            mode = None
+        # another backend given a mode keeps dynamo's module guards (the snapshots are then checked on top)
+        options = compile_options if mode is None else None
+        self._compiled = torch.compile(module, backend=backend, mode=mode, dynamic=True, options=options)
 
     def __call__(self, *args: Any, few_rows: bool = True) -> Any:
         """The compiled module on `args`; a call that compiles a graph compiles it on the GEMM template where the

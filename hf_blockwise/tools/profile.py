@@ -30,6 +30,7 @@ from hf_blockwise.drafters import feature, heads, trees
 from hf_blockwise.drafters.base import Drafter, likely_candidates
 from hf_blockwise.engine import CompileOptions
 from hf_blockwise.evaluation.cost_curve import CAPTION, compiled_call, decoder_cost_curve
+from hf_blockwise.evaluation.harness import wall_clock
 from hf_blockwise.generation import loop, step
 
 CALL_KINDS = ("float32 eager", "float32 compiled", "int8 eager", "int8 compiled")
@@ -170,10 +171,10 @@ def guard_cost(
 
 
 def _ms_per_call(call: Callable[[], None], calls: int) -> float:
-    begin = time.perf_counter()
+    begin = wall_clock()
     for _ in range(calls):
         call()
-    return 1000 * (time.perf_counter() - begin) / calls
+    return 1000 * (wall_clock() - begin) / calls
 
 
 @contextmanager
