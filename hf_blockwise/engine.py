@@ -139,7 +139,7 @@ class CompileOptions:
             measured on the 2-core AMD EPYC (Zen 4), the libraries read them at ~10 GB/s there, the template at
             the ~31 GB/s the machine streams from memory: a one-token float32 call of `marian-base-en-de` 6.2 ms
             against 10.3 ms. Graphs of one sequence only: the verification graph of a batch (and every graph of
-            int8 linears: the template has no `_int_mm`) keeps the libraries (measured: batch 16 ran 7-14% slower
+            int8 linears: the template takes no int8 product) keeps the libraries (measured: batch 16 ran 7-14% slower
             on the template); a graph with a product the template cannot take compiles on the libraries, its report
             says so ([`fixed_order.inductor_backend`]).
     """

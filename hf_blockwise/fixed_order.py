@@ -180,7 +180,8 @@ def own_products(graph_module: fx.GraphModule, own_linears: bool = False) -> Gra
     Args:
         graph_module (`fx.GraphModule`): a graph as dynamo hands it to a backend (torch-level calls, with
             `example_value` metadata).
-        own_linears (`bool`): float `linear`s too (int8 products, `torch._int_mm`, are exact and stay as they are).
+        own_linears (`bool`): float `linear`s too (int8 products, on hf_blockwise's kernel or `torch._int_mm`, are
+            exact and stay as they are).
 
     Returns:
         [`GraphProducts`].

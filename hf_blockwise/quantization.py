@@ -8,14 +8,14 @@ is quantized the same whatever else is in the call, and multiplies in int32 arit
 sums do not depend on their order, so on how a kernel blocks the rows). The result of a row is then a fixed
 function of that row.
 
-The integer product is `torch._int_mm` (int8 rows times the int8 weights, transposed once at quantization, summed
-in int32), an ATen operator that `torch.compile` calls as it is; the rows' quantization before it and the scaling
-after it are plain elementwise torch operations, which the compiled engine fuses with the layer norm before and the
-residual after, computing the same bits as eager decoding. Measured on the 2-core Xeon, 2 threads, rows quantized
-eagerly (`scripts/int8_kernels.py`, `docs/bench/int8-kernels-2threads.md`): 512x512 at 4 rows 0.041 ms against
-oneDNN's `qlinear_pointwise` 0.063 (float32 0.023), 512x2048 0.064 against 0.071; oneDNN wins the 512->16000 output
-projection (0.30 ms against 0.49). Inside the compiled engine, where oneDNN needed an opaque operator of our own
-(~28 us of Python per product), one decoder call went from 7.9-8.5 ms to 5.9-7.0 ms (`hf-blockwise profile calls`).
+The integer product runs on hf_blockwise's kernel for AVX-512 VNNI on weights packed once when a layer is made
+([`hf_blockwise.kernels.int8`]), or on `torch._int_mm` (oneDNN, the int8 weights transposed once) where that kernel
+does not run: both sum in exact int32, so they compute the same integers. Both are operators that `torch.compile`
+calls as they are; the rows' quantization before them and the scaling after are plain elementwise torch operations,
+which the compiled engine fuses with the layer norm before and the residual after, computing the same bits as eager
+decoding. A compiled int8 decoder call of `marian-base-en-de` (2-core Zen 4 EPYC, `hf-blockwise profile calls
+--threads 2 --kinds "int8 compiled"`) takes 2.7-3.7 ms at 1-8 tokens on the kernel against 3.9-4.7 ms on
+`torch._int_mm`, whose 49 products a call cost 2.5 ms against 0.8 ms.
 
 Quantizing changes the model, and so its greedy output (the benchmark reports the quality change); blockwise
 decoding of the quantized model is then exact with respect to the quantized model's greedy decoding.
@@ -33,26 +33,35 @@ import torch
 from torch import nn
 
 from hf_blockwise import boundary as hf
+from hf_blockwise.kernels import int8 as int8_kernel
 from hf_blockwise.snapshot import TensorSnapshot
 
 _INT8_MAX = 127.0
 
 
 def int8_linear(
-    inputs: torch.Tensor, weight_int8_t: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+    inputs: torch.Tensor,
+    weight_int8: torch.Tensor,
+    weight_offsets: torch.Tensor | None,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """`inputs @ dequantized(weight).T + bias`, each row of `inputs` quantized to int8 with its own scale.
 
-    The integer product is `torch._int_mm`; quantizing the rows and scaling the result are plain torch operations,
-    so that `torch.compile` fuses them with what precedes and follows them (one kernel instead of ~8 dispatches
-    each). Every one of them is exact or correctly rounded elementwise (a maximum, IEEE
-    division and rounding, a product, a sum; inductor compiles with `-fno-unsafe-math-optimizations` and no
-    floating-point contraction), so eager and compiled calls compute the same bits.
+    The integer product is hf_blockwise's VNNI kernel on a packed weight ([`hf_blockwise.kernels.int8`]) or
+    `torch._int_mm`: the same exact int32 sums either way. Quantizing the rows and scaling the result are plain torch
+    operations, so that `torch.compile` fuses them with what precedes and follows them (one kernel instead of ~8
+    dispatches each). Every one of them is exact or correctly rounded elementwise (a maximum, IEEE division and
+    rounding, a product, a sum; inductor compiles with `-fno-unsafe-math-optimizations` and no floating-point
+    contraction), so eager and compiled calls compute the same bits.
 
     Args:
         inputs (`torch.FloatTensor` of shape `(rows, in_features)`).
-        weight_int8_t (`torch.CharTensor` of shape `(in_features, out_features)`): the weight quantized per output
-            channel, transposed (contiguous).
+        weight_int8 (`torch.CharTensor`): the weight quantized per output channel, either packed for the kernel, of
+            shape `(ceil(out_features / 64), in_features / 4, 64, 4)`, or transposed for `torch._int_mm`, of shape
+            `(in_features, out_features)` (contiguous).
+        weight_offsets (`torch.IntTensor` of shape `(64 * ceil(out_features / 64),)`, *optional*): the packed
+            weight's column sums times 128; `None` with a transposed weight.
         weight_scale (`torch.FloatTensor` of shape `(out_features,)`).
         bias (`torch.FloatTensor` of shape `(out_features,)`, *optional*).
 
@@ -63,12 +72,24 @@ def int8_linear(
     scale = torch.linalg.vector_norm(inputs, float("inf"), dim=1, keepdim=True)
     scale = scale.clamp_(min=torch.finfo(torch.float32).tiny).div_(_INT8_MAX)
     rows = inputs.div(scale).round_().to(torch.int8)  # (N, in), exact integers in [-127, 127]
-    products = torch._int_mm(rows, weight_int8_t)  # (N, out) int32, exact: integer sums do not depend on order
+    # (N, out) int32, exact: integer sums do not depend on their order, so on the kernel
+    if weight_offsets is None:
+        products = torch._int_mm(rows, weight_int8)
+    else:
+        products = int8_kernel.int8_mm(rows, weight_int8, weight_offsets, weight_scale.shape[0])
     # one product by the (N, out) scales, not two in turn: under `freezing`, inductor rewrites `_int_mm -> float ->
     # mul -> mul` as torchao's int8 linear (oneDNN's qlinear), taking the first factor for the rows' scale, which
     # for other factors or another order computes garbage (torch 2.13, `_register_smooth_quant_int_mm_pattern`)
     outputs = products.float().mul_(scale * weight_scale)  # in place on a tensor made here
     return outputs if bias is None else outputs.add_(bias)
+
+
+def _laid_out(weight_int8_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The int8 weight in the layout of the product that will take it: packed for the VNNI kernel where it runs,
+    else `torch._int_mm`'s `(in, out)` with no offsets."""
+    if int8_kernel.available() and weight_int8_t.shape[0] % 4 == 0:
+        return int8_kernel.pack(weight_int8_t)
+    return weight_int8_t, None
 
 
 def _quantized(
@@ -123,8 +144,10 @@ class Int8Linear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         weight_int8_t, weight_scale, bias_float = _quantized(self.weight, self.bias)
-        # (in, out): `_int_mm`'s layout, transposed once here rather than in every call
-        self.register_buffer("weight_int8_t", weight_int8_t, persistent=False)
+        # laid out once here for the product that takes it, rather than in every call
+        weight_int8, weight_offsets = _laid_out(weight_int8_t)
+        self.register_buffer("weight_int8", weight_int8, persistent=False)
+        self.register_buffer("weight_offsets", weight_offsets, persistent=False)
         self.register_buffer("weight_scale", weight_scale, persistent=False)
         # the bias as a plain float tensor for the operator (a view of the parameter, not a copy)
         self.register_buffer("bias_float", bias_float, persistent=False)
@@ -141,12 +164,22 @@ class Int8Linear(nn.Module):
         place where their shapes allow, so that their version counters move: the compiled engine's snapshot of the
         model's tensors sees the change and compiles again."""
         weight_int8_t, weight_scale, bias_float = _quantized(self.weight, self.bias)
-        if weight_int8_t.shape != self.weight_int8_t.shape:
+        if weight_int8_t.shape != (self.in_features, self.out_features):
             raise ValueError(
                 f"the weight of this Int8Linear is now {tuple(self.weight.shape)}, not ({self.out_features}, "
                 f"{self.in_features}): quantize a model with its final shapes"
             )
-        for name, value in (("weight_int8_t", weight_int8_t), ("weight_scale", weight_scale)):
+        # in the layout the layer was made with (a packed weight stays packed)
+        weight_int8, weight_offsets = (
+            int8_kernel.pack(weight_int8_t) if self.weight_offsets is not None else (weight_int8_t, None)
+        )
+        for name, value in (
+            ("weight_int8", weight_int8),
+            ("weight_offsets", weight_offsets),
+            ("weight_scale", weight_scale),
+        ):
+            if value is None:
+                continue
             buffer = getattr(self, name)
             if buffer.is_inference():  # made under inference mode: replaced (a new address tells the engine too)
                 setattr(self, name, value)
@@ -158,7 +191,7 @@ class Int8Linear(nn.Module):
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """
         Args:
-            inputs (`torch.FloatTensor` of shape `(..., in_features)`).
+            inputs (`torch.FloatTensor` of shape `(..., in_features)`): the layer's input, any leading shape.
 
         Returns:
             `torch.FloatTensor` of shape `(..., out_features)`.
@@ -170,7 +203,11 @@ class Int8Linear(nn.Module):
             tensor is not None and tensor.requires_grad for tensor in (rows, self.weight, self.bias)
         )
         outputs = int8_linear(
-            rows.detach() if tracked else rows, self.weight_int8_t, self.weight_scale, self.bias_float
+            rows.detach() if tracked else rows,
+            self.weight_int8,
+            self.weight_offsets,
+            self.weight_scale,
+            self.bias_float,
         )
         if tracked:  # a graph whose backward refuses with advice, rather than autograd's in-place error
             outputs = _InferenceOnly.apply(outputs, rows, self.weight)

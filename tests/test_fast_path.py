@@ -185,7 +185,7 @@ def test_saving_an_int8_model_says_it_writes_the_float_weights_and_requantizing_
     assert not any(isinstance(module, Int8Linear) for module in reloaded.modules())
     requantized = quantize_dynamic_int8(reloaded)
     pairs = [(a, b) for a, b in zip(base.modules(), requantized.modules(), strict=True) if isinstance(a, Int8Linear)]
-    assert pairs and all(torch.equal(a.weight_int8_t, b.weight_int8_t) for a, b in pairs)
+    assert pairs and all(torch.equal(a.weight_int8, b.weight_int8) for a, b in pairs)
     with warnings.catch_warnings():
         warnings.simplefilter("error", Int8StateDictWarning)
         float_state_dict(base)  # the package's own reads of the float weights stay quiet

@@ -35,6 +35,7 @@ def test_the_wheel_holds_the_library_alone_and_runs_the_demo_on_a_model_by_path(
     assert (source / "hf_blockwise" / "pretrained" / "marian-base-en-de" / "config.json").is_file()
     assert not [name for name in names if "/pretrained/" in name or name.endswith(".safetensors")]
     assert "hf_blockwise/tools/cli/demo.py" in names
+    assert "hf_blockwise/kernels/int8_vnni.cpp" in names  # the int8 kernel's source, compiled where it runs
     site = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],

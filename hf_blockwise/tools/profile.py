@@ -32,6 +32,7 @@ from hf_blockwise.engine import CompileOptions
 from hf_blockwise.evaluation.cost_curve import CAPTION, compiled_call, decoder_cost_curve
 from hf_blockwise.evaluation.harness import wall_clock
 from hf_blockwise.generation import loop, step
+from hf_blockwise.quantization import Int8Linear
 
 CALL_KINDS = ("float32 eager", "float32 compiled", "int8 eager", "int8 compiled")
 
@@ -57,11 +58,10 @@ def step_weight_bytes(base: nn.Module) -> int:
     for name, module in decoder_modules:
         if name.endswith(("encoder_attn.k_proj", "encoder_attn.v_proj", "EncDecAttention.k", "EncDecAttention.v")):
             continue
-        weight = getattr(module, "weight_int8_t", None)
-        if weight is None and isinstance(module, nn.Linear):
-            weight = module.weight
-        if weight is not None:
-            total += weight.numel() * weight.element_size()
+        if isinstance(module, Int8Linear):  # its int8 weight, however laid out (a packed one holds padding)
+            total += module.in_features * module.out_features
+        elif isinstance(module, nn.Linear):
+            total += module.weight.numel() * module.weight.element_size()
     return total
 
 

@@ -1,0 +1,134 @@
+"""Exact int8 products on weights packed once for AVX-512 VNNI: `torch.ops.hf_blockwise.int8_mm`.
+
+`torch._int_mm` on CPU calls oneDNN's s8s8s32 GEMM with the weight unpacked, so every call reorders the weight and
+sums its columns again: ~35-50 us for a 512x512 product of 1-8 rows on a Zen 4 EPYC, where streaming its 256 KB
+takes a few. `int8_vnni.cpp` (beside this file) keeps the weight in `vpdpbusd`'s layout and its column sums, made
+once when a layer is quantized; a call only streams the weight. Its int32 sums are exact, so they are the very
+integers `torch._int_mm` computes: which kernel a layer uses changes its speed, never a bit of its output
+(`tests/test_int8_kernel.py` checks `torch.equal` against `torch._int_mm`).
+
+The kernel is compiled with the machine's C++ compiler the first time an int8 layer is made (~20 s, once: the library
+is kept under `$HF_BLOCKWISE_CACHE`, by default `~/.cache/hf_blockwise`, keyed by the source, torch's version and
+the compiler). It runs where the CPU has AVX-512 VNNI (Zen 4, Ice Lake and later Xeons); elsewhere, without a C++
+compiler, or with `HF_BLOCKWISE_INT8_KERNEL=0` in the environment, int8 layers keep `torch._int_mm` (a build that
+fails warns, naming why).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+import torch.utils.cpp_extension
+
+_SOURCE = Path(__file__).with_name("int8_vnni.cpp")
+_COLUMNS = 64  # output columns of one packed block (int8_vnni.cpp's kColumns)
+_ENVIRONMENT = "HF_BLOCKWISE_INT8_KERNEL"
+
+
+def available() -> bool:
+    """Whether int8 layers made now use the packed VNNI kernel: the CPU has AVX-512 VNNI, a C++ compiler built
+    the kernel (once per machine) and `HF_BLOCKWISE_INT8_KERNEL` is not `0`."""
+    if os.environ.get(_ENVIRONMENT, "1") == "0":
+        return False
+    return _loaded()
+
+
+@functools.cache
+def _loaded() -> bool:
+    if not torch.cpu._is_vnni_supported():
+        return False
+    compiler = next((found for name in ("g++", "c++", "clang++") if (found := shutil.which(name))), None)
+    if compiler is None:
+        return False  # no compiler: inductor cannot compile either, and int8 products stay on torch._int_mm
+    try:
+        torch.ops.load_library(str(_build(compiler)))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = error.stderr[-2000:] if isinstance(error, subprocess.CalledProcessError) else str(error)
+        warnings.warn(
+            f"hf_blockwise could not build its int8 kernel with {compiler}; int8 products run on torch._int_mm "
+            f"instead (the same integers, slower):\n{detail}",
+            stacklevel=3,
+        )
+        return False
+    torch.library.register_fake("hf_blockwise::int8_mm")(_int8_mm_shape)
+    return True
+
+
+def _int8_mm_shape(rows: torch.Tensor, packed: torch.Tensor, offsets: torch.Tensor, out_features: int) -> torch.Tensor:
+    # what the operator returns, for torch.compile's tracing
+    return rows.new_empty((rows.shape[0], out_features), dtype=torch.int32)
+
+
+def _build(compiler: str) -> Path:
+    """The kernel's shared library, compiled once into the cache (written to a temporary name, then renamed, so a
+    build killed half-way or two processes building at once never leave a half-written library)."""
+    flags = [
+        "-O3", "-shared", "-fPIC", "-std=c++20", "-fopenmp", "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        *(f"-I{path}" for path in torch.utils.cpp_extension.include_paths()),
+    ]  # fmt: skip
+    libraries = [*(f"-L{path}" for path in torch.utils.cpp_extension.library_paths()), "-lc10", "-ltorch_cpu"]
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, torch.__version__.encode(), compiler.encode(), *map(str.encode, flags)]))
+    root = Path(
+        os.environ.get("HF_BLOCKWISE_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hf_blockwise"
+    )
+    library = root / "kernels" / f"int8_vnni-{key.hexdigest()[:16]}.so"
+    if not library.exists():
+        library.parent.mkdir(parents=True, exist_ok=True)
+        descriptor, temporary = tempfile.mkstemp(dir=library.parent, suffix=".so.partial")
+        os.close(descriptor)
+        try:
+            command = [compiler, *flags, str(_SOURCE), "-o", temporary, *libraries]
+            subprocess.run(command, check=True, capture_output=True, text=True)
+            os.replace(temporary, library)
+        finally:
+            Path(temporary).unlink(missing_ok=True)
+    return library
+
+
+def pack(weight_int8_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight laid out for the kernel, and its column sums times 128.
+
+    Args:
+        weight_int8_t (`torch.CharTensor` of shape `(in_features, out_features)`): `torch._int_mm`'s layout;
+            `in_features` a multiple of 4.
+
+    Returns:
+        packed (`torch.CharTensor` of shape `(ceil(out_features / 64), in_features / 4, 64, 4)`): 64 output columns
+        at a time, 4 inputs of a column together (zeros past `out_features`); offsets (`torch.IntTensor` of shape
+        `(64 * ceil(out_features / 64),)`): `128 * weight_int8_t.sum(0)`, what feeding rows as unsigned bytes adds.
+    """
+    features, outputs = weight_int8_t.shape
+    if features % 4:
+        raise ValueError(f"the int8 kernel takes in_features that are a multiple of 4, not {features}")
+    blocks = -(-outputs // _COLUMNS)
+    padded = torch.zeros(features, blocks * _COLUMNS, dtype=torch.int8)
+    padded[:, :outputs] = weight_int8_t
+    # (in, blocks * 64) -> (blocks, in / 4, 64, 4)
+    packed = padded.view(features // 4, 4, blocks, _COLUMNS).permute(2, 0, 3, 1).contiguous()
+    offsets = padded.sum(0, dtype=torch.int32).mul_(128)
+    return packed, offsets
+
+
+def int8_mm(rows: torch.Tensor, packed: torch.Tensor, offsets: torch.Tensor, out_features: int) -> torch.Tensor:
+    """`torch._int_mm(rows, weight_int8_t)` on the packed weight: the same int32 integers.
+
+    Args:
+        rows (`torch.CharTensor` of shape `(N, in_features)`): the quantized inputs, one row per token.
+        packed, offsets: [`pack`]'s.
+        out_features (`int`): the weight's outputs (the packed blocks hold up to 63 columns of padding).
+
+    Returns:
+        `torch.IntTensor` of shape `(N, out_features)`.
+    """
+    return torch.ops.hf_blockwise.int8_mm(rows, packed, offsets, out_features)

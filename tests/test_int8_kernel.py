@@ -1,0 +1,93 @@
+"""hf_blockwise's int8 kernel (`hf_blockwise/kernels/`): on a CPU with AVX-512 VNNI, int8 layers multiply on weights
+packed once, and the products are the very integers `torch._int_mm` computes, at every row count and shape (ragged
+column blocks, one row, rows in fours and not, the int8 extremes); a model decodes the same bits with the kernel as
+without it; without VNNI, or with the kernel turned off, layers keep `torch._int_mm`'s layout; a build that fails
+warns and leaves `torch._int_mm`."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+from conftest import build_model, random_batch
+
+from hf_blockwise import quantize_dynamic_int8
+from hf_blockwise.kernels import int8 as int8_kernel
+from hf_blockwise.quantization import Int8Linear
+
+vnni = pytest.mark.skipif(
+    not torch.cpu._is_vnni_supported(), reason="this CPU has no AVX-512 VNNI: int8 layers use torch._int_mm here"
+)
+
+
+@vnni
+@pytest.mark.parametrize(("features", "outputs"), [(4, 1), (8, 64), (64, 65), (36, 200), (512, 100), (2048, 130)])
+def test_the_kernel_computes_int_mms_integers(features: int, outputs: int) -> None:
+    assert int8_kernel.available()
+    generator = torch.Generator().manual_seed(features * outputs)
+    weight = torch.randint(-128, 128, (features, outputs), dtype=torch.int8, generator=generator)
+    weight[0] = 127  # the extremes, where a saturating product would show
+    weight[-1] = -128
+    packed, offsets = int8_kernel.pack(weight)
+    assert packed.shape == (-(-outputs // 64), features // 4, 64, 4) and offsets.dtype == torch.int32
+    for count in (1, 2, 3, 4, 5, 9, 17):
+        rows = torch.randint(-128, 128, (count, features), dtype=torch.int8, generator=generator)
+        rows[0] = -128
+        assert torch.equal(int8_kernel.int8_mm(rows, packed, offsets, outputs), torch._int_mm(rows, weight))
+
+
+@vnni
+def test_the_kernel_refuses_what_does_not_fit_it() -> None:
+    packed, offsets = int8_kernel.pack(torch.ones(8, 70, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="rows of 12 features against a weight of 8"):
+        int8_kernel.int8_mm(torch.ones(2, 12, dtype=torch.int8), packed, offsets, 70)
+    with pytest.raises(RuntimeError, match="200 outputs do not fit 2 blocks"):
+        int8_kernel.int8_mm(torch.ones(2, 8, dtype=torch.int8), packed, offsets, 200)
+    with pytest.raises(ValueError, match="multiple of 4, not 6"):
+        int8_kernel.pack(torch.ones(6, 70, dtype=torch.int8))
+
+
+def test_a_model_decodes_the_same_bits_with_the_kernel_as_with_int_mm(monkeypatch) -> None:
+    """Where the kernel runs, every layer whose inputs come in fours is packed; turned off, none is; the logits and
+    greedy outputs are equal bit for bit (on a CPU without VNNI both models use `torch._int_mm`)."""
+    models, kernel = {}, {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("HF_BLOCKWISE_INT8_KERNEL", setting)
+        kernel[setting] = int8_kernel.available()
+        models[setting] = quantize_dynamic_int8(build_model("bart", seed=2))
+    assert kernel == {"1": torch.cpu._is_vnni_supported(), "0": False}
+    layers = {setting: [m for m in model.modules() if isinstance(m, Int8Linear)] for setting, model in models.items()}
+    assert layers["0"] and all(layer.weight_offsets is None for layer in layers["0"])
+    assert all((layer.weight_offsets is not None) == kernel["1"] for layer in layers["1"])
+    batch = random_batch(models["0"], 3, seed=4)
+    with torch.no_grad():
+        logits = [model(**batch, decoder_input_ids=batch["input_ids"][:, :5]).logits for model in models.values()]
+        outputs = [
+            model.generate(**batch, do_sample=False, num_beams=1, max_new_tokens=12) for model in models.values()
+        ]
+    assert torch.equal(*logits) and torch.equal(*outputs)
+
+
+@vnni
+def test_a_requantized_layer_stays_packed_and_follows_its_weights() -> None:
+    linear = torch.nn.Linear(16, 70)
+    layer = Int8Linear(linear)
+    with torch.no_grad():
+        linear.weight.mul_(-2)
+    layer.requantize()
+    fresh = Int8Linear(linear)  # made from the weights as they are now
+    assert layer.weight_offsets is not None and torch.equal(layer.weight_int8, fresh.weight_int8)
+    assert torch.equal(layer.weight_offsets, fresh.weight_offsets)
+    rows = torch.randn(3, 16)
+    assert torch.equal(layer(rows), fresh(rows))
+
+
+def test_a_failed_build_warns_and_leaves_int_mm(monkeypatch) -> None:
+    def failing_build(compiler: str):
+        raise subprocess.CalledProcessError(1, [compiler], stderr="int8_vnni.cpp:1: error: no such header")
+
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: True)
+    monkeypatch.setattr(int8_kernel, "_build", failing_build)
+    with pytest.warns(UserWarning, match=r"could not build its int8 kernel(.|\n)*no such header"):
+        assert int8_kernel._loaded.__wrapped__() is False
