@@ -20,6 +20,19 @@ set_files() {
     fi
 }
 
+# issue 43: int8 products on hf_blockwise's VNNI kernel (weights packed once): the int8 engine and int8 drafting
+# against CTranslate2 int8, both sets at batch 1 (with HF_BLOCKWISE_INT8_KERNEL=0 in the environment the same command
+# measures torch._int_mm); the int8 call's cost against its bytes
+for set in multi30k europarl; do
+    set_files $set
+    sentences=100; [ $set = europarl ] && sentences=60
+    hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences $sentences --batch-sizes 1 \
+        --threads 2 --modes greedy greedy_int8_compiled feature_int8_compiled ct2_int8 \
+        --out docs/bench/marian-base-$set-int8-kernel-b1
+done
+hf-blockwise profile calls --threads 2 --max-tokens 8 --kinds "int8 eager" "int8 compiled" --torch-profile \
+    > docs/bench/int8-kernel-call-cost.md
+
 # issue 41: one arithmetic on any CPU: identity of every int8 drafter (chains, trees, heads) and of float32 trees
 # against the engine's greedy, both sets at batch 1 (fewer sentences: on a CPU without VNNI an int8 call costs ~95 ms);
 # the probe's verdict and cost
