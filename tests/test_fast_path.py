@@ -302,3 +302,29 @@ def test_the_int8_copy_puts_a_float_feature_drafter_on_the_quantized_base() -> N
         **batch, custom_generate=blockwise_generate, assistant=quantized.feature_model.drafter(), max_new_tokens=16
     )
     assert_same_or_near_tie(quantized.base, batch, greedy, drafted)
+
+
+def test_an_int8_drafter_layer_drafts_through_its_int8_products() -> None:
+    """An int8 drafter layer computes through its int8 layers (the layer once applied the float weight an
+    `Int8Linear` keeps, so an "int8" drafter drafted in float32), and its drafting block projects onto the shortlist
+    in int8 too; a float32 layer's block keeps the float rows. Drafting stays exact."""
+    from hf_blockwise.drafters.feature import FeatureDraftBlock
+    from hf_blockwise.drafters.heads import ShortlistProjection
+
+    base = build_model("marian", seed=5)
+    loaded = LoadedModel(base=base, tokenizer=None, feature_model=FeatureDrafterModel(base, FeatureDrafterConfig(3)))
+    int8_drafter = loaded.int8_drafter_copy().feature_model.eval()
+    calls = []
+    for module in int8_drafter.layer.modules():
+        if isinstance(module, Int8Linear):
+            module.register_forward_hook(lambda *_: calls.append(1))
+    batch = random_batch(base, 2, seed=6)
+    greedy = base.generate(**batch, max_new_tokens=16, do_sample=False)
+    drafted = base.generate(
+        **batch, custom_generate=blockwise_generate, assistant=int8_drafter.drafter(), max_new_tokens=16
+    )
+    assert calls and torch.equal(drafted, greedy)
+    rows = torch.tensor([3, 5, 9])
+    projection = ShortlistProjection(token_ids=rows, weight=base.get_output_embeddings().weight[rows], bias=None)
+    assert isinstance(FeatureDraftBlock(int8_drafter, projection, 2).int8_projection, Int8Linear)
+    assert FeatureDraftBlock(loaded.feature_model, projection, 2).int8_projection is None

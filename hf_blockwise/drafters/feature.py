@@ -41,6 +41,7 @@ from hf_blockwise.drafters.trees import (
     select_tree_tensors,
 )
 from hf_blockwise.engine import CompiledModule, compiled_block
+from hf_blockwise.quantization import Int8Linear, is_int8
 
 
 class FeatureModel(Protocol):
@@ -466,6 +467,10 @@ class FeatureDraftBlock(nn.Module):
         self.register_buffer("weight", None if projection is None else projection.weight.detach().clone())
         bias = None if projection is None or projection.bias is None else projection.bias.detach().clone()
         self.register_buffer("bias", bias)
+        # a drafter layer in int8 projects onto its shortlist in int8 too: a quarter of the bytes, on the int8 kernel
+        # (measured on the EPYC Zen 4: 2,000 float32 rows on MKL cost ~0.26 ms a draft in an int8 graph, which takes
+        # no GEMM template); drafts only propose, so the output stays the base's
+        self.int8_projection = None if self.weight is None or not is_int8(self.layer) else _int8_rows(self.weight, bias)
 
     def forward(
         self,
@@ -604,8 +609,20 @@ class FeatureDraftBlock(nn.Module):
         if self.weight is None:
             logits = output_projection_logits(self.base_model, predicted)  # (b, V)
             return ranked_candidates(logits, None, self.branching, noise, temperature)
-        logits = F.linear(predicted.to(self.weight.dtype), self.weight, self.bias)  # (b, S)
+        if self.int8_projection is not None:
+            logits = self.int8_projection(predicted)  # (b, S)
+        else:
+            logits = F.linear(predicted.to(self.weight.dtype), self.weight, self.bias)  # (b, S)
         return ranked_candidates(logits, self.token_ids, self.branching, noise, temperature)
+
+
+def _int8_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:
+    """An int8 layer over a shortlist's rows `(S, d)` of the output projection (and their bias `(S,)`)."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None).eval()
+    linear.weight = nn.Parameter(weight.float(), requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.float(), requires_grad=False)
+    return Int8Linear(linear)
 
 
 def merge_verified(entries: list[VerifiedStates]) -> VerifiedStates:

@@ -28,6 +28,11 @@ from pathlib import Path
 import torch
 import torch.utils.cpp_extension
 
+try:
+    import fcntl  # the build's lock (Linux, macOS)
+except ImportError:  # Windows: no g++/clang++ build here either (`_loaded` finds no such compiler first)
+    fcntl = None
+
 _SOURCE = Path(__file__).with_name("int8_vnni.cpp")
 _COLUMNS = 64  # output columns of one packed block (int8_vnni.cpp's kColumns)
 _ENVIRONMENT = "HF_BLOCKWISE_INT8_KERNEL"
@@ -83,16 +88,23 @@ def _build(compiler: str) -> Path:
         or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hf_blockwise"
     )
     library = root / "kernels" / f"int8_vnni-{key.hexdigest()[:16]}.so"
-    if not library.exists():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        descriptor, temporary = tempfile.mkstemp(dir=library.parent, suffix=".so.partial")
-        os.close(descriptor)
-        try:
-            command = [compiler, *flags, str(_SOURCE), "-o", temporary, *libraries]
-            subprocess.run(command, check=True, capture_output=True, text=True)
-            os.replace(temporary, library)
-        finally:
-            Path(temporary).unlink(missing_ok=True)
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with open(library.with_suffix(".lock"), "w") as lock:
+        # one build at a time on this machine (test workers, a notebook beside a script): a process that waited
+        # finds the library built
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if not library.exists():
+            descriptor, temporary = tempfile.mkstemp(dir=library.parent, suffix=".so.partial")
+            os.close(descriptor)
+            try:
+                command = [compiler, *flags, str(_SOURCE), "-o", temporary, *libraries]
+                subprocess.run(command, check=True, capture_output=True, text=True)
+                os.replace(temporary, library)
+            finally:
+                Path(temporary).unlink(missing_ok=True)
     return library
 
 

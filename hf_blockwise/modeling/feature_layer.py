@@ -20,9 +20,13 @@ from hf_blockwise.drafters.feature import AttentionMemory
 
 
 # The layer runs once per drafted token on tiny tensors, where each module call's own overhead is a large part of
-# the cost: its forward applies the parameters with torch.nn.functional directly.
-def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, layer.weight, layer.bias)
+# the cost: its forward applies a plain nn.Linear's parameters with torch.nn.functional directly. Any other layer
+# in its place (an int8 one, `quantize_linears_int8`) computes through its own forward: its float `weight` is kept
+# only for code that reads it.
+def _linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if type(layer) is nn.Linear:
+        return F.linear(x, layer.weight, layer.bias)
+    return layer(x)
 
 
 def _norm(layer: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
