@@ -24,7 +24,7 @@ vnni = pytest.mark.skipif(
 @vnni
 @pytest.mark.parametrize(("features", "outputs"), [(4, 1), (8, 64), (64, 65), (36, 200), (512, 100), (2048, 130)])
 def test_the_kernel_computes_int_mms_integers(features: int, outputs: int) -> None:
-    assert int8_kernel.available()
+    assert int8_kernel._loaded()  # built and loaded on this CPU, whatever HF_BLOCKWISE_INT8_KERNEL says for layers
     generator = torch.Generator().manual_seed(features * outputs)
     weight = torch.randint(-128, 128, (features, outputs), dtype=torch.int8, generator=generator)
     weight[0] = 127  # the extremes, where a saturating product would show
@@ -39,6 +39,7 @@ def test_the_kernel_computes_int_mms_integers(features: int, outputs: int) -> No
 
 @vnni
 def test_the_kernel_refuses_what_does_not_fit_it() -> None:
+    assert int8_kernel._loaded()
     packed, offsets = int8_kernel.pack(torch.ones(8, 70, dtype=torch.int8))
     with pytest.raises(RuntimeError, match="rows of 12 features against a weight of 8"):
         int8_kernel.int8_mm(torch.ones(2, 12, dtype=torch.int8), packed, offsets, 70)
@@ -70,7 +71,8 @@ def test_a_model_decodes_the_same_bits_with_the_kernel_as_with_int_mm(monkeypatc
 
 
 @vnni
-def test_a_requantized_layer_stays_packed_and_follows_its_weights() -> None:
+def test_a_requantized_layer_stays_packed_and_follows_its_weights(monkeypatch) -> None:
+    monkeypatch.setenv("HF_BLOCKWISE_INT8_KERNEL", "1")
     linear = torch.nn.Linear(16, 70)
     layer = Int8Linear(linear)
     with torch.no_grad():
