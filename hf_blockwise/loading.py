@@ -24,6 +24,7 @@ from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.base import Drafter
 from hf_blockwise.drafters.composite import CompositeDrafter
 from hf_blockwise.drafters.input_copy import InputCopyDrafter
+from hf_blockwise.kernels import int8 as int8_kernel
 from hf_blockwise.modeling.config import CONFIG_NAME, FEATURE_DRAFTER_CONFIG_NAME
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
 from hf_blockwise.modeling.model import BlockwiseHeadsModel
@@ -73,13 +74,16 @@ class LoadedModel:
 
     def int8_copy(self) -> LoadedModel:
         """An int8 quantized copy of the base (with its heads, when there are some), and a copy of its feature
-        drafter on it (drafting from the int8 base's states; its layer stays float32, see [`load_model`]'s `int8`);
-        the other drafters and the assistant are left out, since they were made for the float base."""
+        drafter on it (drafting from the int8 base's states; its layer in int8 where hf_blockwise's int8 kernel runs,
+        else float32, see [`load_model`]'s `int8`); the other drafters and the assistant are left out, since they were
+        made for the float base."""
         source = self.heads_model if self.heads_model is not None else self.base
         quantized = quantize_dynamic_int8(copy.deepcopy(source))
         heads_model = quantized if self.heads_model is not None else None
         base = quantized.base_model if heads_model is not None else quantized
         feature_model = None if self.feature_model is None else self._feature_model_on(base)
+        if feature_model is not None and int8_kernel.available():
+            quantize_linears_int8(feature_model.layer)  # see `load_model`'s `int8`: where int8 products are fast
         return dataclasses.replace(
             self, base=base, heads_model=heads_model, assistant_model=None, sequential_heads_model=None,
             feature_model=feature_model, nar_model=None,
@@ -135,10 +139,10 @@ def load_model(
             generation.
         nar_drafter_path, feature_drafter_path, sequential_heads_path (`str`, *optional*): drafters saved elsewhere.
         int8 (`bool`): quantize the base (with its heads) to int8 before the drafters are put on it (CPU). The
-            feature drafter's layer stays float32: drafts only propose, and its compiled drafting block runs on
-            inductor's GEMM template in float32 (measured on the AMD EPYC Zen 4, over the int8 base: 3.3-3.8 ms a
-            block against 6.2-7.3 ms with the layer in int8 on oneDNN's `_int_mm`; 1.15-1.38x the int8 engine's
-            greedy against 0.93-0.95x).
+            feature drafter's layer (and its drafting block's shortlist projection) is quantized too where
+            hf_blockwise's int8 kernel runs ([`hf_blockwise.kernels.int8.available`]): measured on the AMD EPYC Zen 4
+            over the int8 base, its compiled block costs ~2.2 ms a step in int8 against ~3.4 ms in float32 on
+            inductor's GEMM template. Elsewhere it stays float32: `torch._int_mm` is slower than the template there.
     """
     for what, path in (
         ("model_path", model_path), ("assistant_path", assistant_path), ("nar_drafter_path", nar_drafter_path),

@@ -24,7 +24,10 @@ from hf_blockwise import (
     quantize_dynamic_int8,
 )
 from hf_blockwise.drafters.base import DraftRequest
+from hf_blockwise.drafters.feature import FeatureDraftBlock
+from hf_blockwise.drafters.heads import ShortlistProjection
 from hf_blockwise.engine import CompileOptions, own_code
+from hf_blockwise.kernels import int8 as int8_kernel
 from hf_blockwise.loading import LoadedModel
 from hf_blockwise.modeling.config import FeatureDrafterConfig
 from hf_blockwise.quantization import Int8Linear, Int8StateDictWarning, float_state_dict, refresh_int8
@@ -282,9 +285,11 @@ def test_int8_products_compile_to_the_same_numbers(freezing: bool) -> None:
             assert torch.equal(compiled(inputs), layer(inputs))
 
 
-def test_the_int8_copy_puts_a_float_feature_drafter_on_the_quantized_base() -> None:
-    """The int8 copy drafts from the int8 base's states with a float32 copy of the drafter's layer (its block runs
-    on the GEMM template); the int8 drafter copy quantizes the layer over the float base."""
+def test_the_int8_copy_puts_a_copy_of_the_feature_drafter_on_the_quantized_base() -> None:
+    """The int8 copy drafts from the int8 base's states with a copy of the drafter, its layer in int8 where the int8
+    kernel runs and float32 elsewhere (its block on the GEMM template); the int8 drafter copy quantizes the layer
+    over the float base."""
+
     base = build_model("marian", seed=5)
     feature = FeatureDrafterModel(base, FeatureDrafterConfig(block_size=3)).eval()
     loaded = LoadedModel(base=base, tokenizer=None, feature_model=feature)
@@ -292,7 +297,8 @@ def test_the_int8_copy_puts_a_float_feature_drafter_on_the_quantized_base() -> N
     assert quantized.feature_model.base_model is quantized.base and quantized.feature_model is not feature
     assert not any(type(module) is torch.nn.Linear for module in quantized.base.modules() if module is not
                    quantized.base.get_output_embeddings())  # fmt: skip
-    assert any(type(module) is torch.nn.Linear for module in quantized.feature_model.layer.modules())
+    float_layer = any(type(module) is torch.nn.Linear for module in quantized.feature_model.layer.modules())
+    assert float_layer != int8_kernel.available()
     int8_drafter = loaded.int8_drafter_copy().feature_model
     assert int8_drafter.base_model is base and not any(type(m) is torch.nn.Linear for m in int8_drafter.layer.modules())
     assert any(type(module) is torch.nn.Linear for module in feature.layer.modules())  # the float one is untouched
@@ -308,9 +314,6 @@ def test_an_int8_drafter_layer_drafts_through_its_int8_products() -> None:
     """An int8 drafter layer computes through its int8 layers (the layer once applied the float weight an
     `Int8Linear` keeps, so an "int8" drafter drafted in float32), and its drafting block projects onto the shortlist
     in int8 too; a float32 layer's block keeps the float rows. Drafting stays exact."""
-    from hf_blockwise.drafters.feature import FeatureDraftBlock
-    from hf_blockwise.drafters.heads import ShortlistProjection
-
     base = build_model("marian", seed=5)
     loaded = LoadedModel(base=base, tokenizer=None, feature_model=FeatureDrafterModel(base, FeatureDrafterConfig(3)))
     int8_drafter = loaded.int8_drafter_copy().feature_model.eval()

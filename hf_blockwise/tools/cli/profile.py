@@ -60,7 +60,9 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
         question.add_argument("--tree-branching", type=positive_int, default=2, help="candidates per node of a tree")
         precision = question.add_mutually_exclusive_group()
         precision.add_argument(
-            "--int8", action="store_true", help="the base in int8 (the feature drafter's layer stays float32)"
+            "--int8",
+            action="store_true",
+            help="the base in int8 (and the feature drafter's layer where the int8 kernel runs)",
         )
         precision.add_argument(
             "--int8-drafter", action="store_true", help="the float32 base with its feature drafter's layer in int8"
