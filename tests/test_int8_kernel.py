@@ -45,8 +45,12 @@ def test_the_kernel_refuses_what_does_not_fit_it() -> None:
         int8_kernel.int8_mm(torch.ones(2, 12, dtype=torch.int8), packed, offsets, 70)
     with pytest.raises(RuntimeError, match="200 outputs do not fit 2 blocks"):
         int8_kernel.int8_mm(torch.ones(2, 8, dtype=torch.int8), packed, offsets, 200)
-    with pytest.raises(ValueError, match="multiple of 4, not 6"):
+    with pytest.raises(ValueError, match="multiple of 4, at most 65536, not 6"):
         int8_kernel.pack(torch.ones(6, 70, dtype=torch.int8))
+    rows = int8_kernel.MAX_FEATURES + 4  # where an int32 running sum could wrap: refused, never computed
+    with pytest.raises(RuntimeError, match=f"{rows} features; at most 65536"):
+        int8_kernel.int8_mm(torch.ones(1, rows, dtype=torch.int8), torch.zeros(1, rows // 4, 64, 4, dtype=torch.int8),
+                            torch.zeros(64, dtype=torch.int32), 64)  # fmt: skip
 
 
 def test_a_model_decodes_the_same_bits_with_the_kernel_as_with_int_mm(monkeypatch) -> None:

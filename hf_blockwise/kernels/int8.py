@@ -36,6 +36,7 @@ except ImportError:  # Windows: no g++/clang++ build here either (`_loaded` find
 
 _SOURCE = Path(__file__).with_name("int8_vnni.cpp")
 _COLUMNS = 64  # output columns of one packed block (int8_vnni.cpp's kColumns)
+MAX_FEATURES = 65536  # int8_vnni.cpp's kMaxFeatures: its running int32 sums stay exact up to this many inputs
 _ENVIRONMENT = "HF_BLOCKWISE_INT8_KERNEL"
 
 
@@ -114,7 +115,7 @@ def pack(weight_int8_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Args:
         weight_int8_t (`torch.CharTensor` of shape `(in_features, out_features)`): `torch._int_mm`'s layout;
-            `in_features` a multiple of 4.
+            `in_features` a multiple of 4, at most [`MAX_FEATURES`].
 
     Returns:
         packed (`torch.CharTensor` of shape `(ceil(out_features / 64), in_features / 4, 64, 4)`): 64 output columns
@@ -122,8 +123,10 @@ def pack(weight_int8_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         `(64 * ceil(out_features / 64),)`): `128 * weight_int8_t.sum(0)`, what feeding rows as unsigned bytes adds.
     """
     features, outputs = weight_int8_t.shape
-    if features % 4:
-        raise ValueError(f"the int8 kernel takes in_features that are a multiple of 4, not {features}")
+    if features % 4 or features > MAX_FEATURES:
+        raise ValueError(
+            f"the int8 kernel takes in_features that are a multiple of 4, at most {MAX_FEATURES}, not {features}"
+        )
     blocks = -(-outputs // _COLUMNS)
     padded = torch.zeros(features, blocks * _COLUMNS, dtype=torch.int8)
     padded[:, :outputs] = weight_int8_t

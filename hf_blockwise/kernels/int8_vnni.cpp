@@ -7,8 +7,9 @@
 //
 // Exactness: `vpdpbusd` multiplies unsigned by signed bytes and adds four products to an int32 without saturation.
 // An int8 row r is fed as r + 128 (a flipped sign bit) and 128 * sum_k w[k][n] is subtracted at the end, so every
-// output is sum_k r[k] * w[k][n] in exact int32 arithmetic (|sum| <= 127 * 127 * in_features + 128 * 127 *
-// in_features < 2^31 for in_features < 66,000): the same integers as torch._int_mm, whatever the blocking.
+// output is sum_k r[k] * w[k][n] in exact int32 arithmetic: the same integers as torch._int_mm, whatever the
+// blocking. The running sums stay below 255 * 128 * in_features, which fits an int32 for in_features <=
+// kMaxFeatures (the operator refuses more).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -23,6 +24,7 @@ namespace {
 
 constexpr int64_t kColumns = 64;  // output columns of one packed block: four 16-lane int32 accumulators a row
 constexpr int64_t kBlockBytes = kColumns * 4;  // one step of the reduction: 64 columns x 4 inputs
+constexpr int64_t kMaxFeatures = 65536;  // 255 * 128 * 65536 < 2^31: no int32 sum can wrap
 
 bool vnni_available() {
   static const bool available = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -79,6 +81,8 @@ at::Tensor int8_mm(const at::Tensor& rows, const at::Tensor& packed, const at::T
               "hf_blockwise::int8_mm: the weight must be packed as (blocks, in / 4, 64, 4) int8, contiguous");
   TORCH_CHECK(rows.size(1) == 4 * packed.size(1), "hf_blockwise::int8_mm: rows of ", rows.size(1),
               " features against a weight of ", 4 * packed.size(1));
+  TORCH_CHECK(rows.size(1) <= kMaxFeatures, "hf_blockwise::int8_mm: ", rows.size(1), " features; at most ",
+              kMaxFeatures, " keep its int32 sums exact");
   TORCH_CHECK(out_features > kColumns * (packed.size(0) - 1) && out_features <= kColumns * packed.size(0),
               "hf_blockwise::int8_mm: ", out_features, " outputs do not fit ", packed.size(0), " blocks");
   TORCH_CHECK(offsets.scalar_type() == at::kInt && offsets.is_contiguous() &&
