@@ -32,6 +32,8 @@ for set in multi30k europarl; do
 done
 hf-blockwise profile calls --threads 2 --max-tokens 8 --kinds "int8 eager" "int8 compiled" --torch-profile \
     > docs/bench/int8-kernel-call-cost.md
+hf-blockwise profile calls --threads 2 --max-tokens 16 --kinds "float32 compiled" "int8 compiled" \
+    > docs/bench/call-cost-curves-1-16.md
 
 # issue 41: one arithmetic on any CPU: identity of every int8 drafter (chains, trees, heads) and of float32 trees
 # against the engine's greedy, both sets at batch 1 (fewer sentences: on a CPU without VNNI an int8 call costs ~95 ms);
