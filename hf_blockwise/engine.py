@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import shutil
 import time
 import types
 import warnings
@@ -80,6 +79,7 @@ from torch import nn
 from hf_blockwise import boundary as hf
 from hf_blockwise.fixed_order import GraphProducts, inductor_backend
 from hf_blockwise.fixed_order import own_products as own_products_pass
+from hf_blockwise.kernels import cpp_compiler
 from hf_blockwise.quantization import is_int8, refresh_int8
 from hf_blockwise.snapshot import ModuleState, TensorSnapshot
 
@@ -166,11 +166,7 @@ def check_compile_available(device: torch.device, options: CompileOptions) -> No
     """Raises [`CompileUnavailableError`] naming what is missing for `torch.compile` on `device`."""
     if not torch._dynamo.is_dynamo_supported():
         raise CompileUnavailableError(f"torch.compile is not supported by this torch ({torch.__version__}) here")
-    if (
-        options.backend == "inductor"
-        and device.type == "cpu"
-        and not any(shutil.which(name) for name in ("g++", "c++", "clang++"))
-    ):
+    if options.backend == "inductor" and device.type == "cpu" and cpp_compiler() is None:
         raise CompileUnavailableError("inductor needs a C++ compiler on CPU (g++, c++ or clang++), and none is on PATH")
 
 

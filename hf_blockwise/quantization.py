@@ -87,8 +87,7 @@ def int8_linear(
 def _laid_out(weight_int8_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The int8 weight in the layout of the product that will take it: packed for the VNNI kernel where it runs,
     else `torch._int_mm`'s `(in, out)` with no offsets."""
-    features = weight_int8_t.shape[0]
-    if int8_kernel.available() and features % 4 == 0 and features <= int8_kernel.MAX_FEATURES:
+    if int8_kernel.available() and int8_kernel.takes(weight_int8_t.shape[0]):
         return int8_kernel.pack(weight_int8_t)
     return weight_int8_t, None
 

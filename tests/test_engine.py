@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import shutil
 import warnings
 import weakref
 from collections.abc import Callable
@@ -313,7 +314,7 @@ def test_compiled_forwards_come_back_in_the_stats_and_the_harness_counts_them(co
 def test_unavailable_compiler_warns_and_decodes_eagerly(monkeypatch) -> None:
     model = build_model("t5", seed=4)
     batch = random_batch(model, 2, seed=3)
-    monkeypatch.setattr(engine_module.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # no C++ compiler on PATH
     with pytest.warns(UserWarning, match="C\\+\\+ compiler.*decoding eagerly instead"):
         output = _generate(model, batch, blockwise_compile=True)
     assert torch.equal(output, model.generate(**batch, max_new_tokens=20))

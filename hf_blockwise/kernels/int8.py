@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import shutil
 import subprocess
 import tempfile
 import warnings
@@ -28,6 +27,8 @@ from pathlib import Path
 
 import torch
 import torch.utils.cpp_extension
+
+from hf_blockwise.kernels import cpp_compiler
 
 try:
     import fcntl  # the build's lock (Linux, macOS)
@@ -52,7 +53,7 @@ def available() -> bool:
 def _loaded() -> bool:
     if not torch.cpu._is_vnni_supported():
         return False
-    compiler = next((found for name in ("g++", "c++", "clang++") if (found := shutil.which(name))), None)
+    compiler = cpp_compiler()
     if compiler is None:
         return False  # no compiler: inductor cannot compile either, and int8 products stay on torch._int_mm
     try:
@@ -110,12 +111,18 @@ def _build(compiler: str) -> Path:
     return library
 
 
+def takes(in_features: int) -> bool:
+    """Whether the kernel takes a weight of `in_features` inputs: a multiple of 4 (it reads inputs in fours), at
+    most [`MAX_FEATURES`] (its int32 sums stay exact)."""
+    return in_features % 4 == 0 and in_features <= MAX_FEATURES
+
+
 def pack(weight_int8_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight laid out for the kernel, and its column sums times 128.
 
     Args:
         weight_int8_t (`torch.CharTensor` of shape `(in_features, out_features)`): `torch._int_mm`'s layout;
-            `in_features` a multiple of 4, at most [`MAX_FEATURES`].
+            `in_features` one the kernel [`takes`].
 
     Returns:
         packed (`torch.CharTensor` of shape `(ceil(out_features / 64), in_features / 4, 64, 4)`): 64 output columns
@@ -123,7 +130,7 @@ def pack(weight_int8_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         `(64 * ceil(out_features / 64),)`): `128 * weight_int8_t.sum(0)`, what feeding rows as unsigned bytes adds.
     """
     features, outputs = weight_int8_t.shape
-    if features % 4 or features > MAX_FEATURES:
+    if not takes(features):
         raise ValueError(
             f"the int8 kernel takes in_features that are a multiple of 4, at most {MAX_FEATURES}, not {features}"
         )
