@@ -86,8 +86,8 @@ def test_demo_runs_offline_on_a_saved_directory(tmp_path, capsys) -> None:
 # greedy, int8 greedy and drafting): the engine under every drafter is tests/test_engine.py's
 EVERY_KIND_OF_MODE = (
     "greedy", "beam4", "prompt_lookup", "assisted", "heads", "heads_top2", "seq_heads", "feature", "composite", "iad",
-    "gad", "gad_pp", "loop", "oracle", "greedy_compiled", "feature_compiled", "hf_greedy_compiled", "greedy_int8",
-    "ct2", "ct2_int8",
+    "gad", "gad_pp", "loop", "oracle", "greedy_compiled", "feature_compiled", "oracle_k4_compiled",
+    "hf_greedy_compiled", "greedy_int8", "ct2", "ct2_int8",
 )  # fmt: skip  # the int8 engine's modes: tests/test_one_arithmetic.py and test_trees.py (engine), test_bench_modes.py
 
 
@@ -128,7 +128,7 @@ def test_bench_compares_every_mode_and_writes_reports(tmp_path, capsys) -> None:
     expected_at_one |= {"loop", "oracle_k4"}  # the loop alone, and drafting greedy's own output
     expected_at_one |= {"seq_heads", "feature", "composite"}
     # the compiled engine's modes, and transformers' own compiled greedy beside them
-    expected_at_one |= {"greedy_compiled", "feature_compiled", "hf_greedy_compiled"}
+    expected_at_one |= {"greedy_compiled", "feature_compiled", "oracle_k4_compiled", "hf_greedy_compiled"}
     # int8 greedy (CTranslate2 is skipped: a BART)
     expected_at_one |= {"greedy_int8"}
     assert {mode for mode, batch in rows if batch == 1} == expected_at_one
@@ -156,6 +156,12 @@ def test_bench_compares_every_mode_and_writes_reports(tmp_path, capsys) -> None:
     assert rows[("iad", 1)]["speedup_ceiling"] is None and rows[("greedy", 1)]["speedup_ceiling"] is None
     oracle = rows[("oracle_k4", 1)]  # feeds 4 tokens every step
     assert oracle["speedup_ceiling"] == pytest.approx(oracle["mean_accepted"] * times["1"] / times["4"])
+    # a compiled mode's ceiling comes from the engine's own calls, timed because compiled modes ran
+    compiled_times = json.loads((out / "cost_curve.json").read_text())["ms_per_call_compiled"]
+    assert len(compiled_times) == 32 and all(value > 0 for value in compiled_times.values())
+    oracle = rows[("oracle_k4_compiled", 1)]
+    expected = oracle["mean_accepted"] * compiled_times["1"] / compiled_times["4"]
+    assert oracle["speedup_ceiling"] == pytest.approx(expected)
 
 
 def test_bench_runs_drafters_at_other_block_sizes_and_thresholds(tmp_path, capsys) -> None:

@@ -218,7 +218,9 @@ def test_bench_model_config_end_to_end_on_a_tiny_shape(tmp_path, capsys, name: s
         assert row["identical_rate"] == 1.0, mode
         assert row["target_tokens"] == 3 * 8, mode  # EOS suppressed: every sentence runs to max_new_tokens
     assert rows["oracle_k4"]["speedup_ceiling"] > 0 and rows["oracle_k4"]["mean_accepted"] > 2
-    assert set(json.loads((out / "cost_curve.json").read_text())["ms_per_call"]) == {"1", "2", "3", "4"}
+    curves = json.loads((out / "cost_curve.json").read_text())
+    assert set(curves["ms_per_call"]) == {"1", "2", "3", "4"}
+    assert "ms_per_call_compiled" not in curves  # no compiled mode ran: nothing compiled for the curve
     table = (out / "bench.md").read_text()
     assert "BLEU" not in table and "words/s" not in table and "(tiny)" in table
     assert (out / "bench.png").stat().st_size > 0

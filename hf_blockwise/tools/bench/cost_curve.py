@@ -26,10 +26,19 @@ def block_widths(setup: BenchSetup, modes: Sequence[str]) -> dict[str, int]:
     return widths
 
 
-def set_speedup_ceilings(results: Sequence[ModeResult], curve: Sequence[tuple[int, float]], setup: BenchSetup) -> None:
-    """Sets `speedup_ceiling` ([`speedup_ceiling`]) of the batch-1 results of fixed-width modes the curve covers."""
+def set_speedup_ceilings(
+    results: Sequence[ModeResult],
+    curve: Sequence[tuple[int, float]],
+    compiled: Sequence[tuple[int, float]] | None = None,
+    *,
+    setup: BenchSetup,
+) -> None:
+    """Sets `speedup_ceiling` ([`speedup_ceiling`]) of the batch-1 results of fixed-width modes the curve covers:
+    from the `compiled` curve for the float32 modes of the compiled engine where it is given, from the eager `curve`
+    for the others (int8 modes included: the curves time the float32 model)."""
     widths = block_widths(setup, [result.mode for result in results])
     for result in results:
-        width = widths.get(result.mode)
-        if width is not None and width <= len(curve) and result.batch_size == 1 and result.mean_accepted:
-            result.speedup_ceiling = speedup_ceiling(curve, result.mean_accepted, width)
+        width, mode = widths.get(result.mode), Mode.parse(result.mode)
+        times = compiled if compiled is not None and mode.compiled and not mode.int8 else curve
+        if width is not None and width <= len(times) and result.batch_size == 1 and result.mean_accepted:
+            result.speedup_ceiling = speedup_ceiling(times, result.mean_accepted, width)

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers.utils import logging as transformers_logging
@@ -143,10 +144,13 @@ def run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
     setup, sources, references = _bench_setup(args)
     cost_curve = args.cost_curve or args.model_config is not None
     curve_tokens = args.cost_curve_max_tokens or (max(setup.oracle_block_sizes) if args.model_config else 32)
-    curve = write_cost_curve(setup, sources[0], args.out, curve_tokens) if cost_curve else None
-    results = run_bench(setup, sources, references, requested_modes(args), args.batch_sizes)
-    if curve is not None:
-        set_speedup_ceilings(results, curve, setup)
+    modes = requested_modes(args)
+    # the compiled curve where compiled modes run: it times their engine (built once, for both)
+    compiled = any(Mode.parse(mode).compiled for mode in modes)
+    curves = write_cost_curve(setup, sources[0], args.out, curve_tokens, compiled) if cost_curve else None
+    results = run_bench(setup, sources, references, modes, args.batch_sizes)
+    if curves is not None:
+        set_speedup_ceilings(results, *curves, setup=setup)
     settings = {
         "model": args.model if args.model_config is None else None,
         "model_config": args.model_config,
@@ -198,24 +202,28 @@ def _report_header(args: argparse.Namespace, settings: dict) -> str:
 
 
 def write_cost_curve(
-    setup: BenchSetup, sentence: str | Sequence[int], out_dir: str, max_tokens: int = 32
-) -> list[tuple[int, float]]:
+    setup: BenchSetup, sentence: str | Sequence[int], out_dir: str, max_tokens: int = 32, compiled: bool = False
+) -> tuple[list[tuple[int, float]], list[tuple[int, float]] | None]:
     """Times the decoder cost curve on `sentence` (text, or token ids without a tokenizer) for 1..`max_tokens`
-    tokens; writes `cost_curve.json` and `cost_curve.png` into `out_dir`."""
+    tokens, eager and, with `compiled`, through the compiled engine; writes `cost_curve.json` (`ms_per_call`,
+    `ms_per_call_compiled`) and `cost_curve.png` into `out_dir`.
+
+    Returns:
+        The eager curve and the compiled one (`None` without `compiled`), (tokens fed, seconds per call) each.
+    """
     base, tokenizer = setup.loaded.base, setup.loaded.tokenizer
-    curve = decoder_cost_curve(base, tokenizer, sentence, max_tokens=max_tokens)
-    compiled = decoder_cost_curve(base, tokenizer, sentence, max_tokens=max_tokens, compiled=True)
+    curves = {"eager": decoder_cost_curve(base, tokenizer, sentence, max_tokens=max_tokens)}
+    if compiled:
+        curves["compiled"] = decoder_cost_curve(base, tokenizer, sentence, max_tokens=max_tokens, compiled=True)
     os.makedirs(out_dir, exist_ok=True)
-    report = {
-        "sentence": sentence, "threads": torch.get_num_threads(), "ms_per_call": {n: 1000 * t for n, t in curve},
-        "ms_per_call_compiled": {n: 1000 * t for n, t in compiled},
-    }  # fmt: skip
-    atomic_write_text(os.path.join(out_dir, "cost_curve.json"), json.dumps(report, indent=2) + "\n")
-    plot_cost_curve(curve, os.path.join(out_dir, "cost_curve.png"), compiled)
-    for name, times in (("eager", curve), ("compiled", compiled)):
+    report: dict[str, Any] = {"sentence": sentence, "threads": torch.get_num_threads()}
+    for name, times in curves.items():
+        report["ms_per_call" + ("" if name == "eager" else "_compiled")] = {n: 1000 * t for n, t in times}
         shown = ", ".join(f"{n}: {1000 * t:.2f}" for n, t in times[:8])
         print(f"decoder cost curve, {name} (ms per call by tokens fed): {shown}")
-    return curve
+    atomic_write_text(os.path.join(out_dir, "cost_curve.json"), json.dumps(report, indent=2) + "\n")
+    plot_cost_curve(curves["eager"], os.path.join(out_dir, "cost_curve.png"), curves.get("compiled"))
+    return curves["eager"], curves.get("compiled")
 
 
 def _model_config_name(name: str) -> str:
@@ -343,7 +351,12 @@ def _add_bench_run_arguments(bench: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     bench.add_argument("--out", default="bench", help="directory for bench.json, bench.md, bench.png")
     bench.add_argument("--quick", action="store_true", help="at most 16 sentences: a run of about a minute")
-    bench.add_argument("--cost-curve", action="store_true", help="also time one decoder call for 1..32 tokens")
+    bench.add_argument(
+        "--cost-curve",
+        action="store_true",
+        help="also time one decoder call for 1..32 tokens "
+        "(eager, and through the compiled engine where compiled modes run)",
+    )
     bench.add_argument(
         "--cost-curve-max-tokens", type=positive_int, default=None, help="cost curve up to N tokens (default 32; "
         "--model-config: the largest oracle block size)"
