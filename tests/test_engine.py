@@ -288,11 +288,13 @@ def test_linears_compile_on_the_gemm_template_and_a_product_it_cannot_take_on_th
 
 
 def test_compiled_forwards_come_back_in_the_stats_and_the_harness_counts_them(compiled_models) -> None:
+    # counting, not arithmetic: dynamo alone (the engine's graphs under inductor are the tests above)
+    compiled = CompileOptions(backend="eager")
     model = compiled_models["marian"]
     batch = random_batch(model, 3, seed=15)
-    greedy = _generate(model, batch, blockwise_compile=True)
+    greedy = _generate(model, batch, blockwise_compile=compiled)
     drafter = OracleDrafter(greedy, block_size=4, corruption=0.3, seed=1)
-    output = _generate(model, batch, assistant=drafter, blockwise_compile=True, return_dict_in_generate=True)
+    output = _generate(model, batch, assistant=drafter, blockwise_compile=compiled, return_dict_in_generate=True)
     stats = output.decoding_stats
     assert stats.compiled_forwards == stats.num_forwards - 1  # the first pass of a call runs eagerly
     row = stats[0]
@@ -301,7 +303,7 @@ def test_compiled_forwards_come_back_in_the_stats_and_the_harness_counts_them(co
     assert eager.compiled_forwards == 0
     runners = {
         "compiled": lambda inputs, _: _generate(
-            model, inputs, assistant=drafter, blockwise_compile=True, return_dict_in_generate=True
+            model, inputs, assistant=drafter, blockwise_compile=compiled, return_dict_in_generate=True
         ),
         "eager": lambda inputs, _: _generate(model, inputs, assistant=drafter, return_dict_in_generate=True),
     }
@@ -366,20 +368,24 @@ class _TwinFeatureDrafter(Drafter):
         return compiled
 
 
-@pytest.mark.parametrize("threshold", [None, 0.05])
-def test_compiled_feature_drafting_drafts_what_the_eager_drafter_drafts(compiled_models, threshold) -> None:
+# the block under inductor, and the threshold's cut under dynamo alone: the cut is applied to the block's outputs,
+# outside its graph, which is the same with a threshold or without
+@pytest.mark.parametrize(("threshold", "backend"), [(None, "inductor"), (0.05, "eager")])
+def test_compiled_feature_drafting_drafts_what_the_eager_drafter_drafts(compiled_models, threshold, backend) -> None:
     """The feature drafter's compiled block (take-in and unrolled drafts in one call) proposes, row by row, the
     drafts of its eager op-by-op path, over steps with narrower verified chunks (batch 1, where it is used)."""
-    base = compiled_models["bart"]
+    # a model of its own under another backend: the shared one's engine stays the inductor one
+    base = compiled_models["bart"] if backend == "inductor" else build_model("bart")
+    options = CompileOptions(backend=backend)
     drafter_model = FeatureDrafterModel(base, FeatureDrafterConfig(block_size=4, training_depth=2)).eval()
     twin = _TwinFeatureDrafter(drafter_model.drafter(threshold=threshold))
     for seed in (12, 13, 14):  # batch 1: where the compiled block drafts
         batch = random_batch(base, 1, seed=seed, max_source_length=8 + seed % 4)
-        greedy = _generate(base, batch, blockwise_compile=True)
+        greedy = _generate(base, batch, blockwise_compile=options)
         twin.pairs.append(None)  # each call starts with a step that has no states to draft from
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no fallback warning: it really ran compiled
-            assert torch.equal(_generate(base, batch, assistant=twin, blockwise_compile=True), greedy)
+            assert torch.equal(_generate(base, batch, assistant=twin, blockwise_compile=options), greedy)
     compared = 0
     pairs, first = [], False
     for pair in twin.pairs:
