@@ -62,6 +62,7 @@ class TensorSnapshot:
 # attribute values compared by value (floats by their text, so that a NaN equals itself); any other attribute is
 # compared by identity (the object it names)
 _VALUE_TYPES = (bool, int, str, bytes, type(None), torch.dtype, torch.device)
+_EXACT_VALUE_TYPES = frozenset(_VALUE_TYPES)  # the fast path of the same rule (subclasses go through `_value`)
 
 
 class ModuleState:
@@ -83,20 +84,19 @@ class ModuleState:
 
     @staticmethod
     def _state(model: torch.nn.Module) -> tuple:
-        modules = tuple(
-            (
-                id(module),
-                module.training,
-                tuple(
-                    (name, _value(value))
-                    for name, value in vars(module).items()
-                    if not name.startswith("_")  # parameters, buffers, submodules and hooks: watched elsewhere
-                ),
-            )
-            for module in model.modules()
-        )
+        # written as plain loops over each module's `__dict__`, with the usual types looked up by exact type first:
+        # compared once per compiled object and `generate`, this is ~0.3 ms for marian-base-en-de on the EPYC
+        # (generator expressions with an `isinstance` per attribute took 1.2 ms)
+        modules = []
+        for module in model.modules():
+            entry: list = [id(module), module.training]
+            for name, value in module.__dict__.items():
+                if name[0] != "_":  # parameters, buffers, submodules and hooks: watched elsewhere
+                    entry.append(name)
+                    entry.append(value if type(value) in _EXACT_VALUE_TYPES else _value(value))
+            modules.append(tuple(entry))
         config = getattr(model, "config", None)
-        return modules, None if config is None else repr(config.to_dict())
+        return tuple(modules), None if config is None else repr(config.to_dict())
 
     def matches(self, model: torch.nn.Module) -> bool:
         """Whether `model`'s modules, flags, plain attributes and config are still those of the snapshot."""
