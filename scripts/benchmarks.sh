@@ -159,7 +159,7 @@ hf-blockwise profile divergences --model $base --drafter feature --int8 \
     --source-file $data/europarl_de_en/validation.en --sentences 40 --threads 2
 # its decoder cost curve (eager and compiled, 1..8 tokens), the step profile (float32 and int8) and peak memory
 hf-blockwise bench --model $base --source-file $data/multi30k/test_2016_flickr.en.gz --sentences 3 --batch-sizes 1 \
-    --threads 2 --modes greedy --cost-curve --cost-curve-max-tokens 8 --out docs/bench/marian-base-cost-curve
+    --threads 2 --modes greedy greedy_compiled --cost-curve --cost-curve-max-tokens 8 --out docs/bench/marian-base-cost-curve
 for engine in "" --compiled; do
     hf-blockwise profile step --model $base --source-file $data/multi30k/test_2016_flickr.en.gz --sentences 50 \
         --threads 2 $engine
@@ -193,7 +193,7 @@ for engine in "" --compiled; do
 done
 # the decoder cost curve, eager and compiled, 1..8 tokens
 hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz --sentences 3 --batch-sizes 1 \
-    --threads 2 --modes greedy --cost-curve --cost-curve-max-tokens 8 --out docs/bench/multi30k-cost-curve-compiled
+    --threads 2 --modes greedy greedy_compiled --cost-curve --cost-curve-max-tokens 8 --out docs/bench/multi30k-cost-curve-compiled
 # Multi30k en→de, shipped model: our modes at batch 1 and 16 (2 threads), with the loop alone (`loop`), the loop's
 # ceiling with perfect drafts (`oracle`, k = 4 and 8) and the decoder cost curve
 hf-blockwise bench --model $mt --source-file $data/multi30k/test_2016_flickr.en.gz \

@@ -28,6 +28,6 @@ BENCH_TIMEOUT=240 bench multi30k-compiled-b1 --model $mt --source-file "$src" --
 bench multi30k-b16 --model $mt --source-file "$src" --reference-file "$ref" --sentences 96 --batch-sizes 16 \
     --modes greedy heads feature oracle --oracle-block-sizes 4 8
 for config in opus-mt-en-de bart-large nllb-200-distilled-600M; do
-    bench $config --model-config $config --sentences 16 --batch-sizes 1 16 --modes greedy loop oracle \
+    bench $config --model-config $config --sentences 16 --batch-sizes 1 16 --modes greedy greedy_compiled loop oracle \
         --oracle-block-sizes 4 8 --cost-curve-max-tokens 16
 done
