@@ -186,8 +186,16 @@ class WeightsSnapshot:
         self.tensors = TensorSnapshot(self._tensors(model))
 
     @staticmethod
-    def _tensors(model: nn.Module) -> list[torch.Tensor]:
-        return [*model.parameters(), *model.buffers()]
+    def _tensors(model: nn.Module) -> list[torch.Tensor | None]:
+        # one walk of the module tree (`parameters()` and `buffers()` walk it once each, ~0.15 ms apiece for
+        # marian-base-en-de); a tensor two modules share (tied embeddings) is listed under each, and a `None` entry
+        # (a layer without bias) is kept: the list is only ever compared with one made the same way
+        return [
+            tensor
+            for module in model.modules()
+            for tensors in (module._parameters, module._buffers)
+            for tensor in tensors.values()
+        ]
 
     def matches(self, model: nn.Module) -> bool:
         """Whether `model`'s weights are still those of the snapshot (same tensors, versions and sampled values)."""
