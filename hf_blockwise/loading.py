@@ -82,11 +82,9 @@ class LoadedModel:
         heads_model = quantized if self.heads_model is not None else None
         base = quantized.base_model if heads_model is not None else quantized
         feature_model = None if self.feature_model is None else self._feature_model_on(base)
-        if feature_model is not None and int8_kernel.available():
-            quantize_linears_int8(feature_model.layer)  # see `load_model`'s `int8`: where int8 products are fast
         return dataclasses.replace(
             self, base=base, heads_model=heads_model, assistant_model=None, sequential_heads_model=None,
-            feature_model=feature_model, nar_model=None,
+            feature_model=_int8_layer_where_fast(feature_model), nar_model=None,
         )  # fmt: skip
 
     def int8_drafter_copy(self) -> LoadedModel:
@@ -113,6 +111,14 @@ class LoadedModel:
             if model is not None:
                 model.to(device)
         return self
+
+
+def _int8_layer_where_fast(feature_model: FeatureDrafterModel | None) -> FeatureDrafterModel | None:
+    """`feature_model` with its layer quantized to int8 (in place) where hf_blockwise's int8 kernel runs, else as it
+    is: the one rule of [`load_model`]'s `int8` and [`LoadedModel.int8_copy`] for the drafter over an int8 base."""
+    if feature_model is not None and int8_kernel.available():
+        quantize_linears_int8(feature_model.layer)
+    return feature_model
 
 
 def shipped_drafter_path(model_path: str, subdir: str, config_name: str) -> str | None:
@@ -166,11 +172,13 @@ def load_model(
     sequential_heads_path = sequential_heads_path or shipped_drafter_path(
         model_path, SEQUENTIAL_HEADS_SUBDIR, CONFIG_NAME
     )
+    feature_model = _load_if(
+        feature_drafter_path, lambda path: FeatureDrafterModel.from_pretrained(path, base_model=base).eval()
+    )
     return LoadedModel(
         base=base, tokenizer=tokenizer, feature_extractor=feature_extractor, heads_model=heads_model,
-        feature_model=_load_if(
-            feature_drafter_path, lambda path: FeatureDrafterModel.from_pretrained(path, base_model=base).eval()
-        ),
+        # over an int8 base, the drafter's layer in int8 where the kernel runs (the docstring's `int8`)
+        feature_model=_int8_layer_where_fast(feature_model) if int8 else feature_model,
         sequential_heads_model=_load_if(sequential_heads_path, lambda path: BlockwiseHeadsModel.from_pretrained(
             path, base_model=base).eval()),
         nar_model=_load_if(nar_drafter_path, lambda path: NARDrafterModel.from_pretrained(

@@ -28,9 +28,9 @@ from hf_blockwise.drafters.feature import FeatureDraftBlock
 from hf_blockwise.drafters.heads import ShortlistProjection
 from hf_blockwise.engine import CompileOptions, own_code
 from hf_blockwise.kernels import int8 as int8_kernel
-from hf_blockwise.loading import LoadedModel
+from hf_blockwise.loading import LoadedModel, load_model
 from hf_blockwise.modeling.config import FeatureDrafterConfig
-from hf_blockwise.quantization import Int8Linear, Int8StateDictWarning, float_state_dict, refresh_int8
+from hf_blockwise.quantization import Int8Linear, Int8StateDictWarning, float_state_dict, is_int8, refresh_int8
 from hf_blockwise.tools.cli import main
 
 
@@ -308,6 +308,21 @@ def test_the_int8_copy_puts_a_copy_of_the_feature_drafter_on_the_quantized_base(
         **batch, custom_generate=blockwise_generate, assistant=quantized.feature_model.drafter(), max_new_tokens=16
     )
     assert_same_or_near_tie(quantized.base, batch, greedy, drafted)
+
+
+def test_an_int8_load_puts_the_feature_drafters_layer_in_int8_where_the_kernel_runs(tmp_path) -> None:
+    """`load_model(int8=True)` (the demo's and `profile step`'s `--int8`) quantizes the feature drafter's layer as
+    the int8 copy does: in int8 where the int8 kernel runs, float32 elsewhere; the base's linears always."""
+    base = build_model("marian", seed=5)
+    base.save_pretrained(tmp_path)
+    word_tokenizer().save_pretrained(tmp_path)
+    FeatureDrafterModel(base, FeatureDrafterConfig(block_size=3)).save_pretrained(
+        tmp_path / "feature-drafter", base_model_name_or_path=".."
+    )
+    loaded = load_model(str(tmp_path), int8=True)
+    assert loaded.feature_model.base_model is loaded.base and is_int8(loaded.base)
+    assert is_int8(loaded.feature_model.layer) == int8_kernel.available()
+    assert not is_int8(load_model(str(tmp_path)).feature_model.layer)  # a float32 load keeps it float32
 
 
 def test_an_int8_drafter_layer_drafts_through_its_int8_products() -> None:
