@@ -7,11 +7,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 # one element in this many of every tensor is compared by value (a prime, so that the sample does not line up with
 # rows or columns of any usual width)
 SAMPLE_STEP = 1021
+# CPU samples of these dtypes are read through NumPy views of the same memory, compared as bytes: `np.concatenate`
+# of a model's ~500 strided views takes half the time of `torch.cat` (measured: 0.42 against 0.82 ms for
+# marian-base-en-de in int8 on the EPYC Zen 4); other dtypes (bfloat16) and devices keep torch's views
+_NUMPY_DTYPES = frozenset(
+    (torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+     torch.bool)
+)  # fmt: skip
+
+_Views = list[torch.Tensor] | list[np.ndarray]
 
 
 class TensorSnapshot:
@@ -30,8 +40,9 @@ class TensorSnapshot:
 
     def __init__(self, tensors: Sequence[torch.Tensor | None]) -> None:
         self.identity = self._identity(tensors)
-        self.samples = self._sample_views(tensors)  # dtype -> views into the tensors
-        self.reference = {dtype: torch.cat(views) for dtype, views in self.samples.items()}  # copies
+        self.samples = self._sample_views(tensors)  # (device, dtype) -> views into the tensors
+        self.reference = {key: _read(views) for key, views in self.samples.items()}  # copies
+        self.num_sampled = sum(len(view) for views in self.samples.values() for view in views)  # values compared
 
     @staticmethod
     def _identity(tensors: Sequence[torch.Tensor | None]) -> tuple[tuple[int, int] | None, ...]:
@@ -41,22 +52,49 @@ class TensorSnapshot:
         )
 
     @staticmethod
-    def _sample_views(tensors: Sequence[torch.Tensor | None]) -> dict[torch.dtype, list[torch.Tensor]]:
-        views: dict[torch.dtype, list[torch.Tensor]] = {}
+    def _sample_views(tensors: Sequence[torch.Tensor | None]) -> dict[tuple[str, torch.dtype], _Views]:
+        views: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
         for tensor in tensors:
             if tensor is None or tensor.numel() == 0 or tensor.is_meta:
                 continue
             count = -(-tensor.numel() // SAMPLE_STEP)
             # (count,): elements 0, step, 2 step, ... of the tensor's span of its storage; a view, not a copy
             view = tensor.detach().as_strided((count,), (SAMPLE_STEP,), tensor.storage_offset())
-            views.setdefault(tensor.dtype, []).append(view)
-        return views
+            views.setdefault((str(view.device), view.dtype), []).append(view)
+        return {
+            key: [view.numpy() for view in group] if _numpy_readable(key, group) else group
+            for key, group in views.items()
+        }
 
     def matches(self, tensors: Sequence[torch.Tensor | None]) -> bool:
         """Whether `tensors` are still those of the snapshot: the same storages, versions and sampled values."""
+        # the storages first: a sample is read only from memory that is still the tensor's (a NumPy view would
+        # read a storage that was reallocated, `resize_` or `set_`, where the identity has already changed)
         if self._identity(tensors) != self.identity:
             return False
-        return all(torch.equal(torch.cat(views), self.reference[dtype]) for dtype, views in self.samples.items())
+        return all(_same(_read(views), self.reference[key]) for key, views in self.samples.items())
+
+
+def _numpy_readable(key: tuple[str, torch.dtype], views: list[torch.Tensor]) -> bool:
+    return (
+        key[0] == "cpu"
+        and key[1] in _NUMPY_DTYPES
+        and all(type(view) is torch.Tensor and not (view.is_neg() or view.is_conj()) for view in views)
+    )
+
+
+def _read(views: _Views) -> torch.Tensor | bytes:
+    """The sampled values, copied: the bytes of NumPy views, or a tensor."""
+    if isinstance(views[0], np.ndarray):
+        return np.concatenate(views).tobytes()
+    return torch.cat(views)  # type: ignore[arg-type]
+
+
+def _same(values: torch.Tensor | bytes, reference: torch.Tensor | bytes) -> bool:
+    # bytes are compared bit for bit (a NaN equals itself, -0.0 differs from 0.0: what a frozen graph holds)
+    if isinstance(values, bytes):
+        return values == reference
+    return torch.equal(values, reference)  # type: ignore[arg-type]
 
 
 # attribute values compared by value (floats by their text, so that a NaN equals itself); any other attribute is

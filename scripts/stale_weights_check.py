@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )  # fmt: skip
     snapshot = WeightsSnapshot(base)
     check = median_ms(lambda: snapshot.matches(base), args.repeats)
-    sampled = sum(reference.numel() for reference in snapshot.tensors.reference.values())
+    sampled = snapshot.tensors.num_sampled
     print(f"{args.model}: {sum(p.numel() for p in base.parameters()) / 1e6:.1f}M parameters, {sampled} values sampled")
     print(
         f"stale-weight check (once per generate call) {check:.3f} ms; one compiled decoder call {call:.2f} ms "

@@ -26,7 +26,7 @@ from hf_blockwise.engine import CompileOptions, compiled_decoder, drop_compiled,
 from hf_blockwise.evaluation.harness import measure
 from hf_blockwise.modeling.config import FeatureDrafterConfig
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
-from hf_blockwise.snapshot import ModuleState
+from hf_blockwise.snapshot import SAMPLE_STEP, ModuleState, TensorSnapshot
 
 # a logit gap below this is a floating-point near-tie between eager and compiled kernels (fp32)
 NEAR_TIE = 1e-3
@@ -218,6 +218,24 @@ def test_the_weights_snapshot_sees_a_strided_write_and_nothing_else() -> None:
     assert snapshot.matches(model)
     model.get_decoder().layers[0].fc1.weight.data[::7] += 1.0  # one row in seven
     assert not snapshot.matches(model)
+
+
+def test_the_samples_are_compared_bit_for_bit() -> None:
+    """A NaN weight matches itself (compared by value it never would: a rebuild every call), a zero turned to minus
+    zero is a change (a frozen graph holds the old bits), and a bfloat16 weight (read through torch, not NumPy) is
+    watched as well."""
+    weight = torch.randn(3000)
+    weight[SAMPLE_STEP] = float("nan")
+    half = torch.randn(3000).to(torch.bfloat16)
+    snapshot = TensorSnapshot([weight, half])
+    assert snapshot.matches([weight, half])
+    weight.data[0] = 0.0
+    zeroed = TensorSnapshot([weight, half])
+    weight.data[0] = -0.0  # through .data: no version counter moves
+    assert not zeroed.matches([weight, half])
+    watched = TensorSnapshot([weight, half])
+    half.data[2 * SAMPLE_STEP] += 1.0
+    assert not watched.matches([weight, half])
 
 
 def test_a_new_engine_of_the_same_model_compiles_its_own_graphs() -> None:
