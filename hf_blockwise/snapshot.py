@@ -91,10 +91,10 @@ def _read(views: _Views) -> torch.Tensor | bytes:
 
 
 def _same(values: torch.Tensor | bytes, reference: torch.Tensor | bytes) -> bool:
-    # bytes are compared bit for bit (a NaN equals itself, -0.0 differs from 0.0: what a frozen graph holds)
+    # bit for bit (a NaN equals itself, -0.0 differs from 0.0: what a frozen graph holds): bytes, or tensors as bytes
     if isinstance(values, bytes):
         return values == reference
-    return torch.equal(values, reference)  # type: ignore[arg-type]
+    return torch.equal(values.view(torch.uint8), reference.view(torch.uint8))  # type: ignore[union-attr]
 
 
 # attribute values compared by value (floats by their text, so that a NaN equals itself); any other attribute is

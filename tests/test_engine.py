@@ -223,19 +223,20 @@ def test_the_weights_snapshot_sees_a_strided_write_and_nothing_else() -> None:
 def test_the_samples_are_compared_bit_for_bit() -> None:
     """A NaN weight matches itself (compared by value it never would: a rebuild every call), a zero turned to minus
     zero is a change (a frozen graph holds the old bits), and a bfloat16 weight (read through torch, not NumPy) is
-    watched as well."""
+    compared bit for bit as well."""
     weight = torch.randn(3000)
     weight[SAMPLE_STEP] = float("nan")
-    half = torch.randn(3000).to(torch.bfloat16)
-    snapshot = TensorSnapshot([weight, half])
-    assert snapshot.matches([weight, half])
+    bf16 = torch.randn(3000).to(torch.bfloat16)
+    bf16[0] = float("nan")
+    snapshot = TensorSnapshot([weight, bf16])
+    assert snapshot.matches([weight, bf16])
     weight.data[0] = 0.0
-    zeroed = TensorSnapshot([weight, half])
+    zeroed = TensorSnapshot([weight, bf16])
     weight.data[0] = -0.0  # through .data: no version counter moves
-    assert not zeroed.matches([weight, half])
-    watched = TensorSnapshot([weight, half])
-    half.data[2 * SAMPLE_STEP] += 1.0
-    assert not watched.matches([weight, half])
+    assert not zeroed.matches([weight, bf16])
+    watched = TensorSnapshot([weight, bf16])
+    bf16.data[2 * SAMPLE_STEP] += 1.0
+    assert not watched.matches([weight, bf16])
 
 
 def test_a_new_engine_of_the_same_model_compiles_its_own_graphs() -> None:
