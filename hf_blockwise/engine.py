@@ -74,12 +74,13 @@ from typing import Any
 import torch
 import torch._inductor.config
 import torch.fx.experimental._config as fx_config
-from torch import nn
+from torch import fx, nn
 
 from hf_blockwise import boundary as hf
 from hf_blockwise.fixed_order import GraphProducts, inductor_backend
 from hf_blockwise.fixed_order import own_products as own_products_pass
 from hf_blockwise.kernels import cpp_compiler
+from hf_blockwise.merged_products import merge_int8_products
 from hf_blockwise.quantization import is_int8, refresh_int8
 from hf_blockwise.snapshot import ModuleState, TensorSnapshot
 
@@ -142,6 +143,9 @@ class CompileOptions:
             int8 linears: the template takes no int8 product) keeps the libraries (measured: batch 16 ran 7-14% slower
             on the template); a graph with a product the template cannot take compiles on the libraries, its report
             says so ([`fixed_order.inductor_backend`]).
+        merge_int8_products (`bool`, defaults to `True`): on CPU, int8 products that take the same rows (a layer's
+            q, k and v) computed as one product on their weights side by side ([`merged_products`]): the same
+            integers, fewer products (each costs mostly a fixed time at decoding's few rows).
     """
 
     backend: str = "inductor"
@@ -149,6 +153,7 @@ class CompileOptions:
     freezing: bool = True
     fixed_order_linears: bool = False
     gemm_template: bool = True
+    merge_int8_products: bool = True
 
     @classmethod
     def coerce(cls, value: bool | CompileOptions | None) -> CompileOptions | None:
@@ -279,9 +284,12 @@ class CompiledModule:
         # the template has no int8 product: a graph of int8 linears keeps the libraries
         int8 = is_int8(module) if int8 is None else int8
         self.template = cpu_inductor and self.freezing and options.gemm_template and not int8
-        if cpu_inductor and (own_products or self.template):
-            own = functools.partial(own_products_pass, own_linears=options.fixed_order_linears)
-            backend = inductor_backend(own if own_products else None, self.graph_products.append)
+        merge = cpu_inductor and int8 and self.freezing and options.merge_int8_products
+        if cpu_inductor and (own_products or self.template or merge):
+            passes = functools.partial(
+                _graph_passes, own=own_products, own_linears=options.fixed_order_linears, merge=merge
+            )
+            backend = inductor_backend(passes, self.graph_products.append)
         mode = None if callable(backend) else mode
         # dynamo's guards on module attributes (~0.3 of a marian-base-en-de call's ~0.4 ms of guards on the EPYC) are
         # left out: `module_state` and `weights` are compared once per generate instead ([`compiled_decoder`])
@@ -312,6 +320,16 @@ class CompiledModule:
 
     def close(self) -> None:
         """Nothing to release (the engine of a decoder removes its hook)."""
+
+
+def _graph_passes(graph_module: fx.GraphModule, own: bool, own_linears: bool, merge: bool) -> GraphProducts:
+    """The engine's passes over one dynamo graph, before inductor: int8 products that share their rows merged
+    ([`merged_products.merge_int8_products`]), then the float products put in the graph's own order
+    ([`fixed_order.own_products`]) where `own`."""
+    merged = merge_int8_products(graph_module) if merge else 0
+    report = own_products_pass(graph_module, own_linears=own_linears) if own else GraphProducts()
+    report.merged_int8 = merged
+    return report
 
 
 class CompiledDecoder:
@@ -347,6 +365,7 @@ class CompiledDecoder:
         kernels = dict.fromkeys(report.linear_kernels for report in reports)  # each kind once, in order
         merged = GraphProducts(linear_kernels=", ".join(kernels) or "libraries")
         for report in reports:
+            merged.merged_int8 += report.merged_int8
             for kind, count in report.owned.items():
                 merged.owned[kind] = merged.owned.get(kind, 0) + count
             for kind, count in report.library.items():

@@ -130,11 +130,14 @@ class GraphProducts:
         linear_kernels (`str`): what computes the `linear`s left to kernels: `"template"` (inductor's C++ GEMM
             template), or `"libraries"` (oneDNN, MKL; with the reason where the template was asked for and took no
             choice); an engine's merged report names each its graphs use, in order.
+        merged_int8 (`int`): int8 products merged into another that takes the same rows
+            ([`merged_products.merge_int8_products`], run by the engine before this pass).
     """
 
     owned: dict[str, int] = field(default_factory=dict)
     library: dict[str, int] = field(default_factory=dict)
     linear_kernels: str = "libraries"
+    merged_int8: int = 0
 
 
 def _is_float(node: fx.Node) -> bool:

@@ -13,6 +13,7 @@ import torch
 from conftest import build_model, random_batch
 
 from hf_blockwise import quantize_dynamic_int8
+from hf_blockwise.engine import CompiledModule, CompileOptions
 from hf_blockwise.kernels import int8 as int8_kernel
 from hf_blockwise.quantization import Int8Linear
 
@@ -97,3 +98,39 @@ def test_a_failed_build_warns_and_leaves_int_mm(monkeypatch) -> None:
     monkeypatch.setattr(int8_kernel, "_build", failing_build)
     with pytest.warns(UserWarning, match=r"could not build its int8 kernel(.|\n)*no such header"):
         assert int8_kernel._loaded.__wrapped__() is False
+
+
+class _SharedRows(torch.nn.Module):
+    """Three int8 linears on one input (a layer's q, k and v), one on other rows; with `write`, the input is written
+    in place between the first and the second product, so that their rows differ."""
+
+    def __init__(self, write: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.write = write
+        self.q, self.k, self.v = (Int8Linear(torch.nn.Linear(64, width)) for width in (64, 100, 64))
+        self.other = Int8Linear(torch.nn.Linear(64, 64))
+
+    def forward(self, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        states = inputs * 1.5
+        query = self.q(states)
+        if self.write:
+            states.add_(1.0)
+        return query, self.k(states), self.v(states), self.other(states * 2)
+
+
+@pytest.mark.parametrize("kernel", ["1", "0"])
+def test_int8_products_that_take_the_same_rows_are_merged_with_the_same_bits(monkeypatch, kernel: str) -> None:
+    """The engine's graph pass (`merged_products`) computes q, k and v as one product (on the VNNI kernel's packed
+    weights, ragged widths included, or `torch._int_mm`'s): the outputs equal the eager layers' bit for bit, at 1-5
+    rows; rows written in place between two products, or made otherwise, are never merged."""
+    monkeypatch.setenv("HF_BLOCKWISE_INT8_KERNEL", kernel)
+    for write, merged in ((False, 2), (True, 0)):
+        module = _SharedRows(write).eval()
+        compiled = CompiledModule(module, CompileOptions(), owner=module)
+        with torch.no_grad():
+            for count in (1, 3, 5):
+                inputs = torch.randn(count, 64)
+                assert all(map(torch.equal, compiled(inputs), module(inputs))), (write, count)
+        # two graphs: dynamo specializes one row
+        assert [report.merged_int8 for report in compiled.graph_products] == [merged, merged]

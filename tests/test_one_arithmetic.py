@@ -95,6 +95,9 @@ def test_int8_calls_and_drafting_are_bitwise_those_of_one_token_calls(architectu
     assert set(engine.verdicts) == {("one row", False), ("several rows", False), ("several rows, then one", False)}
     assert all(verdict.claimed and verdict.bitwise for verdict in engine.verdicts.values())
     assert engine.products().linear_kernels == "libraries"  # the GEMM template has no int8 product
+    # each layer's q, k and v as one product, in each graph (the bits above are the merged graphs')
+    graphs = len(engine._compiled.graph_products)
+    assert engine.products().merged_int8 == 2 * model.config.decoder_layers * graphs
 
 
 def test_float32_with_fixed_order_linears_is_bitwise() -> None:

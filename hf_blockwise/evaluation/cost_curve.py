@@ -28,6 +28,7 @@ def decoder_cost_curve(
     prefix_length: int = 10,
     repeats: int = 20,
     compiled: bool = False,
+    options: CompileOptions | None = None,
 ) -> list[tuple[int, float]]:
     """Median time of one cached decoder forward that feeds n = 1..`max_tokens` new tokens.
 
@@ -39,6 +40,7 @@ def decoder_cost_curve(
     Args:
         sentence: the source, as text (tokenized with `tokenizer`) or as a list of token ids (`tokenizer` unused).
         compiled (`bool`): time the compiled engine's forward (`blockwise_compile=True`) instead of the eager one.
+        options ([`CompileOptions`], *optional*): the compiled engine's options (the defaults by default).
 
     Returns:
         `list[tuple[int, float]]`: (tokens fed, seconds per call), for 1..`max_tokens`.
@@ -52,7 +54,7 @@ def decoder_cost_curve(
     encoder_outputs = base.get_encoder()(**inputs)
     start = torch.full((1, 1), base.config.decoder_start_token_id, device=device)
     prefix = torch.cat([start, torch.full((1, prefix_length - 1), base.config.eos_token_id, device=device)], dim=1)
-    engine = compiled_decoder(base, CompileOptions()) if compiled else None
+    engine = compiled_decoder(base, options or CompileOptions()) if compiled else None
     if compiled and engine is None:
         raise RuntimeError("the compiled cost curve needs torch.compile, which is unavailable here (see the warning)")
     times: dict[int, list[float]] = {num_tokens: [] for num_tokens in range(1, max_tokens + 1)}

@@ -34,7 +34,8 @@ from hf_blockwise.evaluation.harness import wall_clock
 from hf_blockwise.generation import loop, step
 from hf_blockwise.quantization import Int8Linear
 
-CALL_KINDS = ("float32 eager", "float32 compiled", "int8 eager", "int8 compiled")
+# "unmerged": the int8 engine without its merge of products that take the same rows (`merged_products`)
+CALL_KINDS = ("float32 eager", "float32 compiled", "int8 eager", "int8 compiled", "int8 compiled unmerged")
 
 
 def bandwidth_gb_s(megabytes: float, repeats: int = 10) -> float:
@@ -99,8 +100,15 @@ def call_cost_rows(
     rows = []
     for kind in kinds:
         model = int8 if kind.startswith("int8") else base
+        options = CompileOptions(merge_int8_products=not kind.endswith("unmerged"))
         curve = decoder_cost_curve(
-            model, tokenizer, sentence, max_tokens=max_tokens, repeats=repeats, compiled=kind.endswith("compiled")
+            model,
+            tokenizer,
+            sentence,
+            max_tokens=max_tokens,
+            repeats=repeats,
+            compiled="compiled" in kind,
+            options=options,
         )
         rows.append(CallCostRow(kind, step_weight_bytes(model), [seconds for _, seconds in curve]))
     return rows
