@@ -92,6 +92,8 @@ MIN_FEED_WIDTH = 2
 # the static cache's room past max_length, the same for every drafter whose feeds fit it (block_size + 1 columns),
 # so that greedy and drafting decodes of one input attend over buffers of the same length
 _CACHE_SLACK = 16
+# a compiled call attends over the positions in use rounded up to this (the vector width of float32 on AVX-512)
+_WINDOW_ROUNDING = 16
 
 
 class CompileUnavailableError(RuntimeError):
@@ -256,6 +258,7 @@ class CompiledModule:
 
     Attributes:
         graph_products (`list[GraphProducts]`): one report per graph compiled through that backend.
+        cpu_inductor (`bool`): compiled by inductor on CPU without CUDA graphs (where the graph passes run).
     """
 
     def __init__(
@@ -281,6 +284,7 @@ class CompiledModule:
         module.forward = types.MethodType(own_code(type(module).forward), module)
         backend: Any = options.backend
         cpu_inductor = options.backend == "inductor" and device.type == "cpu" and mode is None
+        self.cpu_inductor = cpu_inductor
         # the template has no int8 product: a graph of int8 linears keeps the libraries
         int8 = is_int8(module) if int8 is None else int8
         self.template = cpu_inductor and self.freezing and options.gemm_template and not int8
@@ -353,6 +357,8 @@ class CompiledDecoder:
         self.weights = self._compiled.weights  # the model's weights as the graph freezes them
         self.module_state = self._compiled.module_state  # its modules as the graph was traced from them
         self.freezing = self._compiled.freezing
+        # attention windows where the graphs own attention's arithmetic (CPU inductor); CUDA graphs need fixed shapes
+        self.windowed = self._compiled.cpu_inductor
         self.compiled_calls = 0
         # probe results by (kind of decode: "one row", "several rows" or "several rows, then one"; tree feed): what
         # this machine computes does not change between calls
@@ -390,7 +396,10 @@ class CompiledDecoder:
         input then attends over buffers of the same length, whatever drafts it (one arithmetic).
         """
         needed = max_length + max(_CACHE_SLACK, block_size + MIN_FEED_WIDTH)
-        return hf.static_decoder_cache(self.num_layers, -(-needed // _CACHE_ROUNDING) * _CACHE_ROUNDING)
+        capacity = -(-needed // _CACHE_ROUNDING) * _CACHE_ROUNDING
+        # with attention windows, positions that no window shows: every window is then a view short of its buffer,
+        # the layout the graphs were traced on (a window as long as the buffer is contiguous: another graph)
+        return hf.static_decoder_cache(self.num_layers, capacity + (_WINDOW_ROUNDING if self.windowed else 0))
 
     def forward(
         self,
@@ -399,14 +408,21 @@ class CompiledDecoder:
         forward_kwargs: dict[str, Any],
         cache_length: int,
         tree: hf.TreeInputs | None = None,
+        full_cache: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One cached decoder pass over `tokens`, compiled after the first.
+
+        On CPU a compiled call attends over the cache's first `cache_length + width` positions, rounded up to a
+        multiple of 16 ([`hf.attention_window`]), not its whole capacity: the graphs' attention
+        ([`fixed_order.fixed_order_attention`]) sums over the keys in slot order, so the masked positions left out
+        would only have added exact zeros at the end of each sum (the probe checks it against `full_cache` calls).
 
         Args:
             tokens (`torch.LongTensor` of shape `(batch_size, width)`).
             cache: from [`new_cache`]; `cache_length` positions of it are valid.
             tree ([`hf.TreeInputs`], *optional*): the feed is a tree of drafts (`generation/tree.py`); its graph is
                 another than a chain's.
+            full_cache (`bool`): attend over the whole capacity (the probe's reference).
 
         Returns:
             logits (`torch.FloatTensor` of shape `(batch_size, width, vocab_size)`) and the states at the output
@@ -424,10 +440,17 @@ class CompiledDecoder:
         if padded > width:  # filler columns are hidden by causal attention; see MIN_FEED_WIDTH
             tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, padded - width)], dim=1)
         tree = None if tree is None else tree.padded_to(padded)
-        # the batch-1 graph (dynamo specializes a size of 1) on the GEMM template, the batches' on the libraries
-        logits, states = self._compiled(
-            tokens, cache, forward_kwargs, *self._tree_inputs(cache, cache_length, tree), few_rows=tokens.shape[0] == 1
-        )
+        window: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if self.windowed:  # the positions written so far and this call's, rounded up, within those a window may show
+            shown = hf.static_cache_capacity(cache) - _WINDOW_ROUNDING  # (`new_cache`)
+            needed = -(-(cache_length + padded) // _WINDOW_ROUNDING) * _WINDOW_ROUNDING
+            window = hf.attention_window(cache, shown if full_cache else min(needed, shown))
+        with window:
+            # the batch-1 graph (dynamo specializes a size of 1) on the GEMM template, the batches' on the libraries
+            logits, states = self._compiled(
+                tokens, cache, forward_kwargs, *self._tree_inputs(cache, cache_length, tree),
+                few_rows=tokens.shape[0] == 1,
+            )  # fmt: skip
         self.compiled_calls += 1
         return logits[:, :width], states[:, :width]
 
@@ -543,8 +566,9 @@ class CompiledDecoder:
         side_branch: bool = False,
     ) -> torch.Tensor:
         """Logits of `tokens` (shape `(b, n)`) after `prompt` in a fresh cache: fed in one call, or one token per
-        call with the cache cropped back after each call's filler (as the loop does); with `as_tree` every call is
-        a tree (a chain's shape, or with `side_branch` a chain of n - 1 and a branch after the first node)."""
+        call with the cache cropped back after each call's filler (as the loop does) and attending over the whole
+        capacity; with `as_tree` every call is a tree (a chain's shape, or with `side_branch` a chain of n - 1 and a
+        branch after the first node)."""
         cache = self.new_cache(max_length, tokens.shape[1])
         self.forward(prompt, cache, forward_kwargs, cache_length=0)
         start, batch = prompt.shape[1], tokens.shape[0]
@@ -553,8 +577,9 @@ class CompiledDecoder:
             return self.forward(tokens, cache, forward_kwargs, start, tree)[0]
         logits = []
         one = _probe_tree(batch, 1, False, tokens.device) if as_tree else None
-        for column in range(tokens.shape[1]):
-            logits.append(self.forward(tokens[:, column : column + 1], cache, forward_kwargs, start + column, one)[0])
+        for column in range(tokens.shape[1]):  # over the whole capacity: another window than the wide call's
+            fed = tokens[:, column : column + 1]
+            logits.append(self.forward(fed, cache, forward_kwargs, start + column, one, full_cache=True)[0])
             hf.crop_cache(cache, start + column + 1)
         return torch.cat(logits, dim=1)
 

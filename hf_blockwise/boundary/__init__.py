@@ -47,6 +47,7 @@ from hf_blockwise.boundary.beam import (
     validate_beam_config,
 )
 from hf_blockwise.boundary.cache import (
+    attention_window,
     crop_cache,
     is_static_cache,
     loop_decoder_cache,
@@ -158,6 +159,7 @@ __all__ = [
     "adapt_generate_call",
     "adapter_base",
     "apply_prefix_free_processors",
+    "attention_window",
     "base_location",
     "base_weights_fingerprint",
     "beam_options",

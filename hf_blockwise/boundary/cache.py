@@ -2,7 +2,8 @@
 
 A dynamic cache whose self-attention layers can all be cropped, for the eager loop ([`new_decoder_cache`],
 [`loop_decoder_cache`], which also checks the one `generate` prepared); preallocated static self-attention buffers
-for the compiled engine ([`static_decoder_cache`], with its capacity, attention mask and unpinning); and, for
+for the compiled engine ([`static_decoder_cache`], with its capacity, attention mask, unpinning and the window a call
+attends over, [`attention_window`]); and, for
 either, cropping back to the verified length ([`crop_cache`]), keeping only the rows still decoding
 ([`select_cache_rows`]) and beam search's reorder ([`reorder_cache_rows`]). [`check_cache_settings`] refuses the
 `generate` arguments that would give the loop another cache.
@@ -10,6 +11,8 @@ either, cropping back to the verified length ([`crop_cache`]), keeping only the 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -108,6 +111,33 @@ def static_decoder_cache(num_layers: int, max_cache_len: int) -> EncoderDecoderC
     """
     layers = [StaticLayer(max_cache_len=max_cache_len) for _ in range(num_layers)]
     return EncoderDecoderCache(Cache(layers=layers), DynamicCache())
+
+
+@contextlib.contextmanager
+def attention_window(cache: EncoderDecoderCache, length: int) -> Iterator[None]:
+    """For the span of one call, each self-attention layer of a [`static_decoder_cache`] shows the model only its
+    first `length` positions: views of the same buffers (writes go to them) and a capacity of `length`, from which
+    transformers sizes the attention mask ([`static_cache_mask`], `StaticLayer.get_mask_sizes`).
+
+    Why: attention reads every position of the buffers it is given, and a buffer holds the decode's whole length
+    limit (a model whose `generation_config` says 512 gets 576 positions, while a caption uses ~20): measured on the
+    2-core AMD EPYC, a compiled 3-token `marian-base-en-de` int8 call costs 2.45 ms over 64 positions and 3.68 ms
+    over 576. The positions left out are the ones causal masking hides anyway.
+
+    Args:
+        length (`int`): positions shown, at most the capacity; at least the call's cache length plus its width.
+    """
+    layers = cache.self_attention_cache.layers
+    full = [(layer.keys, layer.values, layer.max_cache_len) for layer in layers]
+    try:
+        for layer, (keys, values, capacity) in zip(layers, full, strict=True):
+            if length > capacity:
+                raise ValueError(f"an attention window of {length} positions in a cache of {capacity}")
+            layer.keys, layer.values, layer.max_cache_len = keys[:, :, :length], values[:, :, :length], length
+        yield
+    finally:
+        for layer, (keys, values, capacity) in zip(layers, full, strict=True):
+            layer.keys, layer.values, layer.max_cache_len = keys, values, capacity
 
 
 def static_cache_capacity(cache: EncoderDecoderCache) -> int:
