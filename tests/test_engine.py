@@ -38,7 +38,7 @@ def compiled_models() -> dict[str, torch.nn.Module]:
 
 
 def _generate(model, batch, **kwargs) -> torch.Tensor:
-    return model.generate(**batch, custom_generate=blockwise_generate, max_new_tokens=20, **kwargs)
+    return model.generate(**batch, custom_generate=blockwise_generate, **{"max_new_tokens": 20, **kwargs})
 
 
 def _assert_equal_or_near_tie(model, batch, reference: torch.Tensor, candidate: torch.Tensor) -> None:
@@ -71,21 +71,35 @@ def test_compiled_drafting_is_exact_against_the_engines_greedy(compiled_models, 
             assert torch.equal(drafted, greedy), (architecture, batch_size, corruption)
 
 
-def test_no_recompiles_or_graph_breaks_once_warm(compiled_models) -> None:
+def test_no_recompiles_or_graph_breaks_once_warm(compiled_models, monkeypatch) -> None:
     model = compiled_models["bart"]
     # greedy alone warms: batch 1 has graphs of its own, and 3 rows feeding 3 columns are equal sizes the graph
     # must not take for one (duck shaping), or every wider feed would compile again
     for batch_size in (3, 1):
         _generate(model, random_batch(model, batch_size, seed=5), blockwise_compile=True)
     breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())
-    # other lengths, batch sizes, feed widths and acceptance patterns: the same graphs serve them all
+    windows = []  # (positions shown, buffer length) of each compiled call
+    attention_window = engine_module.hf.attention_window
+
+    def recorded(cache, length):
+        windows.append((length, engine_module.hf.static_cache_capacity(cache)))
+        return attention_window(cache, length)
+
+    monkeypatch.setattr(engine_module.hf, "attention_window", recorded)
+    # other lengths, length limits (buffers), batch sizes, feed widths and acceptance patterns, and the attention
+    # windows they give: the same graphs serve them all
     with torch.compiler.set_stance("fail_on_recompile"):
-        for batch_size, seed, block_size in ((1, 6, 3), (2, 7, 5), (5, 8, 2)):
+        for batch_size, seed, block_size, limit in ((1, 6, 3, 20), (2, 7, 5, 60), (5, 8, 2, 20)):
             batch = random_batch(model, batch_size, seed=seed, max_source_length=9 + seed)
-            greedy = _generate(model, batch, blockwise_compile=True)
+            greedy = _generate(model, batch, blockwise_compile=True, max_new_tokens=limit)
             drafter = OracleDrafter(greedy, block_size=block_size, corruption=0.25, seed=seed)
-            assert torch.equal(_generate(model, batch, assistant=drafter, blockwise_compile=True), greedy)
+            drafted = _generate(model, batch, assistant=drafter, blockwise_compile=True, max_new_tokens=limit)
+            assert torch.equal(drafted, greedy)
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == breaks_before
+    # each call shows the positions in use rounded up to 16, within all but the buffer's last 16 (which keep every
+    # window a view of the same layout); only the probe's reference calls show all of those
+    assert {(16, 80), (32, 80), (16, 144), (48, 144)} <= set(windows)
+    assert all(length % 16 == 0 and length <= buffer - 16 for length, buffer in windows)
 
 
 def test_changed_weights_are_recompiled_not_served_stale_and_other_models_keep_their_graphs(compiled_models) -> None:
@@ -438,3 +452,21 @@ def test_compiled_feature_drafting_does_not_recompile_once_warm(compiled_models)
             batch = random_batch(base, batch_size, seed=seed, max_source_length=7 + seed % 5)
             greedy = _generate(base, batch, blockwise_compile=True)
             assert torch.equal(_generate(base, batch, assistant=drafter, blockwise_compile=True), greedy)
+
+
+def test_an_attention_window_shows_views_of_the_buffers_and_restores_them() -> None:
+    cache = engine_module.hf.static_decoder_cache(2, 48)
+    for layer in cache.self_attention_cache.layers:
+        layer.lazy_initialization(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
+    buffers = [(layer.keys, layer.values) for layer in cache.self_attention_cache.layers]
+    with engine_module.hf.attention_window(cache, 16):
+        for layer, (keys, _values) in zip(cache.self_attention_cache.layers, buffers, strict=True):
+            assert layer.keys.shape[2] == layer.max_cache_len == 16 and layer.keys._base is keys
+            layer.keys[0, 0, 3] = 1.0  # a write through the window reaches the buffer
+    for layer, (keys, values) in zip(cache.self_attention_cache.layers, buffers, strict=True):
+        assert layer.keys is keys and layer.values is values
+    assert engine_module.hf.static_cache_capacity(cache) == 48 and float(buffers[0][0][0, 0, 3].sum()) == 4.0
+    refused = pytest.raises(ValueError, match="an attention window of 64 positions in a cache of 48")
+    with refused, engine_module.hf.attention_window(cache, 64):
+        pass
+    assert cache.self_attention_cache.layers[0].keys is buffers[0][0]  # restored after the refusal too
