@@ -12,7 +12,8 @@ What keeps the compiled graph from recompiling during a call:
 
 - the self-attention cache is static ([`boundary.static_decoder_cache`]): keys and values live in preallocated
   buffers, cropping moves a write position (a tensor, no host read), and the buffer length is rounded up to a
-  multiple of 64 so that calls of similar lengths share it;
+  multiple of 64 so that calls of similar lengths share it; on CPU a call is shown views of the positions in use
+  ([`boundary.attention_window`]: its attention reads no more), whose length is one more dynamic size;
 - shapes are dynamic (`dynamic=True`): one graph serves every feed width from 3 up and every source length;
   batch size 1 gets a graph of its own (dynamo specializes sizes of 1); duck shaping is off, so sizes that happen
   to be equal when a graph is traced (3 rows feeding 3 columns) are not taken for one;
@@ -25,7 +26,8 @@ a verification call of k tokens could round differently from greedy's one-token 
 path by the call's shape and the machine (gemv for one row, small-matrix kernels, split K; other thresholds on each
 CPU vendor), so on CPU the engine compiles through [`fixed_order.inductor_backend`]: attention's products (and
 any float `matmul`) become inductor loops whose reduction order is fixed by the generated code, the same for every
-feed width and batch size. With int8 linears (exact int32 sums) every product of the decoder is then exact or in an
+feed width, batch size and attention window (the keys are summed in slot order: the positions a window leaves out
+would add exact zeros last). With int8 linears (exact int32 sums) every product of the decoder is then exact or in an
 order the graph owns, and a k-token call computes bit for bit what k one-token calls compute, on any CPU: the int8
 engine's greedy (`blockwise_compile=True`, no assistant) *is* the int8 model's greedy output, and every drafter
 reproduces it by construction. float32 `linear`s run on inductor's GEMM template (the batch-1 graph) or the
@@ -36,8 +38,9 @@ batch-1 graph; the generated kernels give a row the same bits in both.
 
 Checked where it runs: the first drafted decode of each kind (one row, several rows, several rows left with one;
 chains or trees) runs [`CompiledDecoder.check_arithmetic`]: a wide call against one-token calls on the call's own
-encoder output (a row left of several against the same row in a two-row call; a tree's side branch against its
-path as a chain), `torch.equal` on logits. Where the graphs own every float product, it passes or a
+encoder output, the one-token calls over the whole cache (another attention window than the wide call's); a row
+left of several against the same row in a two-row call; a tree's side branch against its path as a chain;
+`torch.equal` on logits. Where the graphs own every float product, it passes or a
 [`OneArithmeticWarning`] (once per engine) names what differed and by how much: outputs are then exact up to
 near-ties on this machine, never a silent claim. Every call feeds at least `MIN_FEED_WIDTH` (2)
 columns, filler that causal attention hides, so that one graph serves every width (dynamo specializes a size of 1);
@@ -90,7 +93,7 @@ _CACHE_ROUNDING = 64
 # size of 1 (the arithmetic does not depend on the width; see the module docstring)
 MIN_FEED_WIDTH = 2
 # the static cache's room past max_length, the same for every drafter whose feeds fit it (block_size + 1 columns),
-# so that greedy and drafting decodes of one input attend over buffers of the same length
+# so that greedy and drafting decodes of one input use buffers of the same length
 _CACHE_SLACK = 16
 # a compiled call attends over the positions in use rounded up to this (the vector width of float32 on AVX-512)
 _WINDOW_ROUNDING = 16
@@ -393,7 +396,7 @@ class CompiledDecoder:
         """A static cache for a decode of up to `max_length` tokens fed up to `block_size` tokens per row and call.
 
         Its capacity depends on `block_size` only where the feeds do not fit the fixed slack: every decode of one
-        input then attends over buffers of the same length, whatever drafts it (one arithmetic).
+        input then uses buffers of the same length, whatever drafts it (each call attends over a window of them).
         """
         needed = max_length + max(_CACHE_SLACK, block_size + MIN_FEED_WIDTH)
         capacity = -(-needed // _CACHE_ROUNDING) * _CACHE_ROUNDING

@@ -154,7 +154,7 @@ def static_cache_mask(cache: EncoderDecoderCache, tokens: torch.Tensor) -> torch
     attention reads the whole buffer, and the empty slots are attended to.
 
     Returns:
-        `torch.LongTensor` of shape `(batch_size, capacity)`.
+        `torch.LongTensor` of shape `(batch_size, capacity)` (inside an [`attention_window`], the window's length).
     """
     return tokens.new_ones(tokens.shape[0], static_cache_capacity(cache))
 
