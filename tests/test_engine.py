@@ -346,6 +346,13 @@ def test_compiled_forwards_come_back_in_the_stats_and_the_harness_counts_them(co
     assert results["eager"].decoder_forwards == eager.num_forwards
 
 
+def test_a_compiled_prefill_off_cpu_inductor_is_a_clear_error() -> None:
+    # the first call compiled in a module of its own: CPU with inductor only (tests/test_one_arithmetic.py decodes
+    # with it)
+    with pytest.raises(ValueError, match="compiled_prefill=True"):
+        compiled_decoder(build_model("bart", seed=12), CompileOptions(backend="eager", compiled_prefill=True))
+
+
 def test_unavailable_compiler_warns_and_decodes_eagerly(monkeypatch) -> None:
     model = build_model("t5", seed=4)
     batch = random_batch(model, 2, seed=3)

@@ -100,6 +100,36 @@ def test_int8_calls_and_drafting_are_bitwise_those_of_one_token_calls(architectu
     assert engine.products().merged_int8 == 2 * model.config.decoder_layers * graphs
 
 
+def test_an_int8_engine_with_a_compiled_first_call_drafts_its_greedy_bitwise() -> None:
+    """With `compiled_prefill=True` a drafted decode's first call (the prompt and drafts) and greedy's (the prompt
+    alone) run one compiled graph: drafts right most of the time and wrong sometimes reproduce the engine's greedy
+    bitwise at batch 3, every forward is counted as compiled, the probe's comparison of the two first calls passes
+    where the contract is claimed, and other batches compile no other graph."""
+    model = quantize_dynamic_int8(_model("m2m100"))
+    options = CompileOptions(compiled_prefill=True)
+    batch = random_batch(model, 3, seed=5)
+    kwargs = {"custom_generate": blockwise_generate, "max_new_tokens": 20, "blockwise_compile": options}
+    greedy = model.generate(**batch, **kwargs)
+    for block_size, corruption in ((4, 0.3), (3, 0.0)):
+        drafter = OracleDrafter(greedy, block_size=block_size, corruption=corruption, seed=block_size)
+        output = model.generate(**batch, assistant=drafter, return_dict_in_generate=True, **kwargs)
+        assert torch.equal(output.sequences, greedy), (block_size, corruption)
+        stats = output.decoding_stats
+        assert stats.compiled_forwards == stats.num_forwards  # the first call is one of the engine's
+    verdicts = compiled_decoder(model, options).verdicts
+    assert ("several rows", False) in verdicts
+    assert all(verdict.claimed and verdict.bitwise for verdict in verdicts.values()), verdicts
+    # other sources, lengths and acceptance: one graph per batch class (one row, several) for the first calls and
+    # one for the others, whatever the widths (the first call is padded as the others are) and source lengths
+    other = random_batch(model, 2, seed=6, max_source_length=13)
+    other_kwargs = {**kwargs, "max_new_tokens": 30}
+    other_greedy = model.generate(**other, **other_kwargs)
+    drafter = OracleDrafter(other_greedy, block_size=3, corruption=0.2, seed=3)
+    assert torch.equal(model.generate(**other, assistant=drafter, **other_kwargs), other_greedy)
+    engine = compiled_decoder(model, options)
+    assert 1 <= len(engine._prefill.graph_products) <= 2 and 1 <= len(engine._compiled.graph_products) <= 2
+
+
 def test_float32_with_fixed_order_linears_is_bitwise() -> None:
     """float32 `linear`s in the graph's own loops (`fixed_order_linears=True`): a float32 k-token call computes what
     one-token calls compute too, here at batch 3; every float product of the graph is owned."""

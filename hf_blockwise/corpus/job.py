@@ -46,6 +46,7 @@ from hf_blockwise.corpus.paths import (
 from hf_blockwise.corpus.planning import chunks_of_shard, plan_batches
 from hf_blockwise.corpus.sources import read_sources, texts_sha256
 from hf_blockwise.drafters.base import Drafter
+from hf_blockwise.engine import CompileOptions
 from hf_blockwise.generation.loop import blockwise_generate
 from hf_blockwise.loading import DRAFTERS as REGISTERED_DRAFTERS
 from hf_blockwise.loading import (
@@ -160,8 +161,10 @@ def decode_batch(
         `list[DecodedRow]`, one per source, in the order of `ids`.
     """
     batch = loaded.tokenizer.pad({"input_ids": list(ids)}, return_tensors="pt").to(loaded.base.device)
+    # a long run: on CPU each batch's first decoder call is compiled too (a second graph, paid once per run)
+    options = CompileOptions(compiled_prefill=loaded.base.device.type == "cpu") if compile else None
     output = loaded.base.generate(
-        **batch, custom_generate=blockwise_generate, assistant=drafter, blockwise_compile=compile,
+        **batch, custom_generate=blockwise_generate, assistant=drafter, blockwise_compile=options,
         return_dict_in_generate=True, **generate_kwargs,
     )  # fmt: skip
     texts = loaded.tokenizer.batch_decode(output.sequences, skip_special_tokens=True)
@@ -274,7 +277,8 @@ def generate_corpus(
         batch_size (`int`): most rows per batch. max_batch_tokens (`int`, *optional*): most padded source tokens.
         max_new_tokens (`int`, *optional*): the length limit, as in `generate`; by default the checkpoint's
             `generation_config`, as `model.generate()` without arguments (`generate_kwargs` may set more arguments).
-        compile (`bool`): verify through the compiled engine (`blockwise_compile=True`; pays off on long runs).
+        compile (`bool`): verify through the compiled engine (`blockwise_compile=True`; pays off on long runs), on
+            CPU with its first call of each batch compiled too (`CompileOptions(compiled_prefill=True)`).
         output_format (`str`, *optional*): `"text"` or `"jsonl"`; by default from the file name (`.jsonl` -> JSONL).
         stats (`bool`): JSONL records also carry `new_tokens` and `decoder_calls`.
         on_long (`str`): `"fail"` (default) or `"skip"` (with a warning; the line's output is empty) for sources

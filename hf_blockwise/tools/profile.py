@@ -219,7 +219,7 @@ def step_phases(
     tokenizer: Any,
     sources: Sequence[str],
     drafter: Drafter | None,
-    compiled: bool,
+    compiled: bool | CompileOptions,
     max_new_tokens: int = 128,
 ) -> dict[str, float]:
     """Milliseconds per sentence of each phase of blockwise greedy decoding at batch 1 (after an untimed warm-up over
@@ -277,7 +277,7 @@ def divergences(
     tokenizer: Any,
     sources: Sequence[str],
     drafter: Drafter,
-    compiled: bool,
+    compiled: bool | CompileOptions,
     max_new_tokens: int = 128,
 ) -> DivergenceReport:
     """Decodes each source greedy and blockwise (batch 1; eager against transformers' greedy, or `compiled` through

@@ -11,6 +11,7 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from hf_blockwise import quantize_dynamic_int8
+from hf_blockwise.engine import CompileOptions
 from hf_blockwise.loading import DRAFTER_NAMES, REALISTIC_MODEL, DrafterOptions, LoadedModel, build_drafter, load_model
 from hf_blockwise.text_files import read_lines
 from hf_blockwise.tools import profile
@@ -68,6 +69,11 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
             "--int8-drafter", action="store_true", help="the float32 base with its feature drafter's layer in int8"
         )
         question.add_argument("--compiled", action="store_true", help="verify through the compiled engine")
+        question.add_argument(
+            "--compiled-prefill",
+            action="store_true",
+            help="with --compiled: each generate's first decoder call compiled too (CompileOptions.compiled_prefill)",
+        )
 
 
 def run_profile_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -102,20 +108,24 @@ def run_profile_command(parser: argparse.ArgumentParser, args: argparse.Namespac
         sources = (read_lines(source_file) if source_file else DEMO_SENTENCES)[: args.sentences]
     except ValueError as error:  # not UTF-8: the file, line and byte, and the iconv command
         parser.error(str(error))
+    if args.compiled_prefill and not args.compiled:
+        parser.error("--compiled-prefill compiles the engine's first call: it needs --compiled")
+    compiled = CompileOptions(compiled_prefill=True) if args.compiled_prefill else args.compiled
     weights = "int8" if args.int8 else "float32 base, int8 drafter" if args.int8_drafter else "float32"
     print(f"{model}, {len(sources)} sentences, batch 1, {threads} threads, {weights}, drafter {args.drafter}, "
-          f"k = {drafter.block_size}" + (", compiled engine" if args.compiled else ", eager"))  # fmt: skip
+          f"k = {drafter.block_size}" + (", compiled engine" if args.compiled else ", eager")
+          + (" (first call compiled too)" if args.compiled_prefill else ""))  # fmt: skip
     if args.question == "step":
         print("| mode | verification | drafting | bookkeeping | generate (fixed) | total | one verification | one "
               "drafter call |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
         for name, assistant in (("greedy (the loop, no drafts)", None), (args.drafter, drafter)):
             phases = profile.step_phases(
-                loaded.base, loaded.tokenizer, sources, assistant, args.compiled, args.max_new_tokens
+                loaded.base, loaded.tokenizer, sources, assistant, compiled, args.max_new_tokens
             )
             print(f"| {name} | " + " | ".join(f"{value:.1f}" for value in phases.values()) + " |")
         print("(ms per sentence; the last two columns: ms per call)")
         return 0
-    report = profile.divergences(loaded.base, loaded.tokenizer, sources, drafter, args.compiled, args.max_new_tokens)
+    report = profile.divergences(loaded.base, loaded.tokenizer, sources, drafter, compiled, args.max_new_tokens)
     for source, found in report.differing:
         print(source, found)
     reference = "the engine's greedy" if args.compiled else "transformers' greedy"
