@@ -462,14 +462,7 @@ class CompiledDecoder:
             tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, padded - width)], dim=1)
         tree = None if tree is None else tree.padded_to(padded)
         if cache_length == 0:  # the compiled first call: greedy's (the prompt) and a drafted one's share its graph
-            rows = tokens.shape[0]
-            logits, states = self._prefill(
-                tokens, cache, forward_kwargs, *self._tree_inputs(cache, 0, tree), few_rows=rows == 1
-            )
-            self.compiled_calls += 1
-            if padded > width:  # the filler's positions are not the decode's: the cache holds the real tokens only
-                hf.crop_cache(cache, width)
-            return logits[:, :width], states[:, :width]
+            return self._compiled_first_call(tokens, cache, forward_kwargs, tree, width)
         window: contextlib.AbstractContextManager = contextlib.nullcontext()
         if self.windowed:  # the positions written so far and this call's, rounded up, within those a window may show
             shown = hf.static_cache_capacity(cache) - _WINDOW_ROUNDING  # (`new_cache`)
@@ -482,6 +475,18 @@ class CompiledDecoder:
                 few_rows=tokens.shape[0] == 1,
             )  # fmt: skip
         self.compiled_calls += 1
+        return logits[:, :width], states[:, :width]
+
+    def _compiled_first_call(
+        self, tokens: torch.Tensor, cache: Any, forward_kwargs: dict[str, Any], tree: hf.TreeInputs | None, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[`forward`] at cache length 0 with `compiled_prefill`: `tokens` (shape `(b, padded)`) of which the first
+        `width` are the decode's, through the first call's own compiled module."""
+        extra = self._tree_inputs(cache, 0, tree)
+        logits, states = self._prefill(tokens, cache, forward_kwargs, *extra, few_rows=tokens.shape[0] == 1)
+        self.compiled_calls += 1
+        if tokens.shape[1] > width:  # the filler's positions are not the decode's: the cache holds the real tokens only
+            hf.crop_cache(cache, width)
         return logits[:, :width], states[:, :width]
 
     def _tree_inputs(self, cache: Any, cache_length: int, tree: hf.TreeInputs | None) -> tuple[torch.Tensor, ...]:

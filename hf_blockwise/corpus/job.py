@@ -277,8 +277,7 @@ def generate_corpus(
         batch_size (`int`): most rows per batch. max_batch_tokens (`int`, *optional*): most padded source tokens.
         max_new_tokens (`int`, *optional*): the length limit, as in `generate`; by default the checkpoint's
             `generation_config`, as `model.generate()` without arguments (`generate_kwargs` may set more arguments).
-        compile (`bool`): verify through the compiled engine (`blockwise_compile=True`; pays off on long runs), on
-            CPU with its first call of each batch compiled too (`CompileOptions(compiled_prefill=True)`).
+        compile (`bool`): verify through the compiled engine, on CPU with `CompileOptions(compiled_prefill=True)`.
         output_format (`str`, *optional*): `"text"` or `"jsonl"`; by default from the file name (`.jsonl` -> JSONL).
         stats (`bool`): JSONL records also carry `new_tokens` and `decoder_calls`.
         on_long (`str`): `"fail"` (default) or `"skip"` (with a warning; the line's output is empty) for sources
