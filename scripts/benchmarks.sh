@@ -30,6 +30,11 @@ for set in multi30k europarl; do
         --threads 2 --modes greedy greedy_int8_compiled feature_int8_compiled ct2_int8 \
         --out docs/bench/marian-base-$set-int8-kernel-b1
 done
+# issue 43: the same with each generate's first call compiled too (CompileOptions.compiled_prefill), Multi30k
+set_files multi30k
+hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 100 --batch-sizes 1 \
+    --threads 2 --modes greedy greedy_int8_compiled feature_int8_compiled ct2_int8 --compiled-prefill \
+    --out docs/bench/marian-base-multi30k-int8-prefill-b1
 hf-blockwise profile calls --threads 2 --max-tokens 8 --kinds "int8 eager" "int8 compiled" --torch-profile \
     > docs/bench/int8-kernel-call-cost.md
 hf-blockwise profile calls --threads 2 --max-tokens 16 --kinds "float32 compiled" "int8 compiled" \

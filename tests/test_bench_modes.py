@@ -10,6 +10,7 @@ from conftest import build_model
 
 from hf_blockwise import InputCopyDrafter
 from hf_blockwise.corpus import DRAFTERS as CORPUS_DRAFTERS
+from hf_blockwise.engine import CompileOptions
 from hf_blockwise.loading import DRAFTER_NAMES, DRAFTERS, LoadedModel, build_drafter, missing_drafter
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
 from hf_blockwise.quantization import Int8Linear
@@ -92,6 +93,15 @@ def test_mode_properties() -> None:
     assert Mode.parse("oracle_compiled").at_block_size(3) == Mode.parse("oracle_k3_compiled")
     assert Mode.parse("feature_int8d").on_int8_drafter and Mode.parse("feature_int8d").drafter == "feature"
     assert not Mode.parse("feature_int8d").on_int8_model and not Mode.parse("feature_int8").on_int8_drafter
+
+
+def test_compiled_modes_alone_get_a_compiled_first_call_with_compiled_prefill() -> None:
+    setup = BenchSetup(LoadedModel(base=build_model("marian"), tokenizer=None), compiled_prefill=True)
+    assert setup.engine(True) == CompileOptions(compiled_prefill=True)
+    assert setup.engine(False) is False
+    assert dataclasses.replace(setup, compiled_prefill=False).engine(True) is True
+    assert build_parser().parse_args(["bench", "--compiled-prefill"]).compiled_prefill
+    assert not build_parser().parse_args(["bench"]).compiled_prefill
 
 
 def test_tree_modes_parse_their_nodes_and_branching() -> None:

@@ -61,7 +61,7 @@ def _loop(mode: Mode, setup: BenchSetup) -> Runner:
     """The loop with no drafter (one token per decoder call)."""
     return _blockwise_runner(
         setup.loaded.base, setup.max_new_tokens, custom_generate=blockwise_generate, assistant=None,
-        blockwise_compile=mode.compiled, num_beams=mode.num_beams, **search_kwargs(mode, setup),
+        blockwise_compile=setup.engine(mode.compiled), num_beams=mode.num_beams, **search_kwargs(mode, setup),
     )  # fmt: skip
 
 
@@ -74,7 +74,7 @@ def _oracle(mode: Mode, setup: BenchSetup) -> Runner:
         drafter = ReferenceDrafter(sequences_of(earlier[reference]), block_size=mode.block_size)
         return base.generate(
             **batch, custom_generate=blockwise_generate, assistant=drafter, max_new_tokens=limit,
-            return_dict_in_generate=True, blockwise_compile=mode.compiled,
+            return_dict_in_generate=True, blockwise_compile=setup.engine(mode.compiled),
         )  # fmt: skip
 
     return run
@@ -132,7 +132,7 @@ def _drafter_runner(mode: Mode, setup: BenchSetup) -> Runner:
     loaded = setup.loaded
     drafter = build_drafter(mode.drafter, loaded, drafter_options(mode, setup))
     kwargs: dict[str, Any] = {
-        "assistant": drafter, "blockwise_compile": mode.compiled, "num_beams": mode.num_beams,
+        "assistant": drafter, "blockwise_compile": setup.engine(mode.compiled), "num_beams": mode.num_beams,
         **search_kwargs(mode, setup),
     }  # fmt: skip
     rule = acceptance_rule(mode, setup)

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hf_blockwise.engine import CompileOptions
 from hf_blockwise.evaluation.harness import Batch
 from hf_blockwise.loading import LoadedModel
 from hf_blockwise.tools.bench.modes import DEFAULT_ORACLE_BLOCK_SIZES
@@ -31,6 +32,8 @@ class BenchSetup:
         ct2_threads (`int`): CTranslate2's threads (`intra_threads`) in the `ct2` modes.
         temperature (`float`), top_p (`float`): the `_sample` modes' warpers.
         sampling_seed (`int`): `torch.manual_seed` before each batch of a `_sample` mode: every mode draws alike.
+        compiled_prefill (`bool`): the `_compiled` modes compile each generate's first call too
+            (`CompileOptions(compiled_prefill=True)`, as the corpus job's `--compile` on CPU).
     """
 
     loaded: LoadedModel
@@ -44,6 +47,11 @@ class BenchSetup:
     temperature: float = 0.7
     top_p: float = 0.9
     sampling_seed: int = 0
+    compiled_prefill: bool = False
+
+    def engine(self, compiled: bool) -> bool | CompileOptions:
+        """`blockwise_compile=` for a mode that is `compiled` or not."""
+        return CompileOptions(compiled_prefill=True) if compiled and self.compiled_prefill else compiled
 
 
 def usable_batch_sizes(batch_sizes: Sequence[int], num_sentences: int) -> list[int]:

@@ -117,7 +117,7 @@ def _bench_setup(args: argparse.Namespace) -> tuple[BenchSetup, list, list[str] 
     setup = dataclasses.replace(
         setup, gad_block_size=args.gad_block_size, gad_top_beta=args.gad_top_beta, gad_tolerance=args.gad_tolerance,
         oracle_block_sizes=tuple(oracle_block_sizes), ct2_threads=args.ct2_threads or torch.get_num_threads(),
-        temperature=args.temperature, top_p=args.top_p,
+        temperature=args.temperature, top_p=args.top_p, compiled_prefill=args.compiled_prefill,
     )  # fmt: skip
     return setup, sources, references
 
@@ -167,6 +167,7 @@ def run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
         "sentences": len(sources),
         "threads": torch.get_num_threads(),
         "ct2_threads": setup.ct2_threads,
+        "compiled_prefill": setup.compiled_prefill,
         "batch_sizes": sorted({result.batch_size for result in results}),
         "max_new_tokens": setup.max_new_tokens,
         "max_new_tokens_from": _limit_source(args, setup),
@@ -198,6 +199,7 @@ def _report_header(args: argparse.Namespace, settings: dict) -> str:
     return (
         f"# hf-blockwise bench: {model}, {sources}, {settings['max_new_tokens']} new tokens at most, "
         f"{settings['threads']} threads (CTranslate2: {settings['ct2_threads']}), {settings['device']}"
+        + (", compiled modes with their first call compiled" if settings["compiled_prefill"] else "")
     )
 
 
@@ -349,6 +351,11 @@ def _add_bench_run_arguments(bench: argparse.ArgumentParser) -> None:
         "--device", default="cpu", help="torch device the models run on, e.g. cuda (timings then wait for the GPU's "
         "queued work; the _int8 modes quantize for a CPU)"
     )  # fmt: skip
+    bench.add_argument(
+        "--compiled-prefill",
+        action="store_true",
+        help="the _compiled modes compile each generate's first decoder call too (CompileOptions.compiled_prefill)",
+    )
     bench.add_argument("--out", default="bench", help="directory for bench.json, bench.md, bench.png")
     bench.add_argument("--quick", action="store_true", help="at most 16 sentences: a run of about a minute")
     bench.add_argument(
