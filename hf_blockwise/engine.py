@@ -71,7 +71,7 @@ import time
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -267,6 +267,9 @@ class CompiledModule:
             `options.gemm_template` holds, nothing is int8 and the compiling call says `few_rows`.
         int8 (`bool`, *optional*): whether the graph has int8 linears (they keep the libraries); by default, whether
             `module` holds one (the decoder's step holds its model weakly: its engine says).
+        watched (`nn.Module`, *optional*): the module tree the snapshots cover instead of `owner`'s whole tree: what
+            `module` reads (a drafting block watches itself and the base's output projection its shortlist is copied
+            from, not the base's layers, which the engine watches). Held strongly: it must not hold `owner`.
 
     Attributes:
         graph_products (`list[GraphProducts]`): one report per graph compiled through that backend.
@@ -280,12 +283,12 @@ class CompiledModule:
         owner: nn.Module,
         own_products: bool = False,
         int8: bool | None = None,
+        watched: nn.Module | None = None,
     ) -> None:
         device = next(owner.parameters()).device
         check_compile_available(device, options)
         self.options = options
-        self.weights = WeightsSnapshot(owner)
-        self.module_state = ModuleState(owner)
+        self.watched = watched
         self.graph_products: list[GraphProducts] = []
         mode = options.mode
         if mode is None and device.type == "cuda":
@@ -294,6 +297,8 @@ class CompiledModule:
         # addresses that freezing would fold
         self.freezing = options.freezing and options.backend == "inductor" and mode != "reduce-overhead"
         module.forward = types.MethodType(own_code(type(module).forward), module)
+        # after the line above: a watched module's `forward` attribute is part of its state
+        self.weights, self.module_state = WeightsSnapshot(self.tree(owner)), ModuleState(self.tree(owner))
         backend: Any = options.backend
         cpu_inductor = options.backend == "inductor" and device.type == "cpu" and mode is None
         self.cpu_inductor = cpu_inductor
@@ -333,6 +338,10 @@ class CompiledModule:
         settings = [(torch._inductor.config, inductor), (fx_config, {"use_duck_shape": False})]
         with _settings(*settings, (torch._dynamo.config, {"specialize_float": True})):
             return self._compiled(*args)
+
+    def tree(self, owner: nn.Module) -> nn.Module:
+        """The module tree whose weights and state the snapshots cover: `watched`, or `owner`'s whole tree."""
+        return owner if self.watched is None else self.watched
 
     def close(self) -> None:
         """Nothing to release (the engine of a decoder removes its hook)."""
@@ -397,6 +406,10 @@ class CompiledDecoder:
             for kind, count in report.library.items():
                 merged.library[kind] = merged.library.get(kind, 0) + count
         return merged
+
+    def tree(self, owner: nn.Module) -> nn.Module:
+        """The module tree whose weights and state the snapshots cover: the model's whole tree (`owner`)."""
+        return self._compiled.tree(owner)
 
     def owns_products(self) -> bool:
         """Whether the graphs compiled so far went through the fixed-order pass and own every float product (the
@@ -718,7 +731,11 @@ def compiled_decoder(model: nn.Module, options: CompileOptions) -> CompiledDecod
 
 
 def compiled_block(
-    owner: nn.Module, key: str, build: Callable[[], nn.Module], options: CompileOptions
+    owner: nn.Module,
+    key: str,
+    build: Callable[[], nn.Module],
+    options: CompileOptions,
+    reads: Callable[[nn.Module], Sequence[nn.Module]] | None = None,
 ) -> CompiledModule | None:
     """A drafter's compiled drafting block, kept for the drafter's model `owner` as the decoder's engine is kept
     for its model, with the same rules: rebuilt when `owner`'s weights change, `None` with a warning where
@@ -729,8 +746,16 @@ def compiled_block(
         key (`str`): which block of `owner` (a drafter model may have one per block size).
         build (`Callable[[], nn.Module]`): makes the module to compile, on first use; it must not hold `owner`
             itself (the registry is keyed weakly by `owner`).
+        reads (`Callable`, *optional*): given the built module, the modules it reads besides its own (the sources of
+            what it copied): the snapshots then watch those and the module, not `owner`'s whole tree.
     """
-    return _kept(owner, f"block:{key}", options, lambda: CompiledModule(build(), options, owner))
+
+    def compile_block() -> CompiledModule:
+        module = build()
+        watched = None if reads is None else nn.ModuleList([module, *reads(module)])
+        return CompiledModule(module, options, owner, watched=watched)
+
+    return _kept(owner, f"block:{key}", options, compile_block)
 
 
 def _kept(owner: nn.Module, key: str, options: CompileOptions, build: Callable[[], Any]) -> Any:
@@ -740,7 +765,8 @@ def _kept(owner: nn.Module, key: str, options: CompileOptions, build: Callable[[
     engine = entries.get(key)
     if engine is not None and engine.options == options:
         # the snapshot covers the float weights too, taken after their int8 copies were made: no change, none stale
-        weights, modules = engine.weights.matches(owner), engine.module_state.matches(owner)
+        tree = engine.tree(owner)  # the owner's, or the part of it that the compiled module reads
+        weights, modules = engine.weights.matches(tree), engine.module_state.matches(tree)
         if weights and modules:
             return engine
         changed = "weights" if not weights else "modules, training flags, plain attributes or config"

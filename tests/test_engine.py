@@ -346,6 +346,36 @@ def test_compiled_forwards_come_back_in_the_stats_and_the_harness_counts_them(co
     assert results["eager"].decoder_forwards == eager.num_forwards
 
 
+def test_a_drafting_block_is_recompiled_when_what_it_reads_changes_and_only_then() -> None:
+    """The feature drafter's compiled block (dynamo alone, for time) watches its layer, the base's embeddings and the
+    base's output projection (its shortlist's source), not the base's other layers, which the engine watches: each
+    write through `.data` rebuilds the compiled objects that read it, and only those."""
+    base = build_model("marian", seed=8)
+    drafter_model = FeatureDrafterModel(base, FeatureDrafterConfig(block_size=4)).eval()
+    drafter_model.set_shortlist(torch.arange(base.config.vocab_size // 2))  # the block copies these projection rows
+    drafter = drafter_model.drafter()
+    batch = random_batch(base, 1, seed=4)
+    options = CompileOptions(backend="eager")
+
+    def recompiled(change: Callable[[], None]) -> set[str]:
+        """The models whose compiled objects a generate after `change` rebuilt, by the warnings' class names."""
+        change()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _generate(base, batch, assistant=drafter, blockwise_compile=options)
+        return {name for w in caught for name in ("MarianMTModel", "FeatureDrafterModel") if f"this {name} " in str(w)}
+
+    recompiled(lambda: None)  # compiles the engine and the block
+    assert recompiled(lambda: None) == set()
+    layer = drafter.model.layer
+    assert recompiled(lambda: next(layer.parameters()).data.mul_(-1.0)) == {"FeatureDrafterModel"}
+    assert recompiled(lambda: base.get_output_embeddings().weight.data.mul_(-1.0)) == {
+        "MarianMTModel",
+        "FeatureDrafterModel",
+    }
+    assert recompiled(lambda: base.get_decoder().layers[0].fc1.weight.data.mul_(-1.0)) == {"MarianMTModel"}
+
+
 def test_a_compiled_prefill_off_cpu_inductor_is_a_clear_error() -> None:
     # the first call compiled in a module of its own: CPU with inductor only (tests/test_one_arithmetic.py decodes
     # with it)

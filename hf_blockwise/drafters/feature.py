@@ -270,7 +270,12 @@ class FeatureDrafter(Drafter):
         projection = cache.projection
         key = f"feature_k{self.block_size}_m{self.branching}_f{self.frontier}_n{self.tree_nodes}_"
         key += "full" if projection is None else str(projection.token_ids.shape[0])
-        return compiled_block(self.model, key, lambda: self._new_block(projection), request.compile)
+        # the block reads its layer, the base's embeddings and a copy of the base's output projection: its snapshots
+        # watch those (the engine watches the base's other layers once per generate too)
+        projection_source = self.model.base_model.get_output_embeddings()
+        return compiled_block(
+            self.model, key, lambda: self._new_block(projection), request.compile, reads=lambda _: [projection_source]
+        )
 
     def _new_block(self, projection: ShortlistProjection | None) -> FeatureDraftBlock:
         return FeatureDraftBlock(
