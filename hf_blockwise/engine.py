@@ -257,10 +257,10 @@ class CompiledModule:
             its own ([`own_code`]), so that its graphs are its own; dynamo sees its weights as parameters.
         options ([`CompileOptions`]).
         owner (`nn.Module`): the model whose weights `module` uses (or derives buffers from): the snapshots that
-            tell a stale graph ([`WeightsSnapshot`], [`ModuleState`]) are taken of it. Dynamo's guards on module
-            attributes are left out of the compiled calls (`guard_filter_fn`): the snapshots, compared once per
-            `generate` ([`compiled_decoder`]), watch what they watched, so `owner` must hold every module that
-            `module` reads (a drafter's model holds its base).
+            tell a stale graph ([`WeightsSnapshot`], [`ModuleState`]) are taken of it (or of `watched`). Dynamo's
+            guards on module attributes are left out of the compiled calls (`guard_filter_fn`): the snapshots,
+            compared once per `generate` ([`compiled_decoder`]), watch what they watched, so `owner` (or `watched`)
+            must hold every module that `module` reads (a drafter's model holds its base).
         own_products (`bool`): on CPU with inductor, run [`fixed_order.own_products`] on each graph (the
             verification forward: one arithmetic); drafting blocks, whose bits decide nothing, keep the libraries'
             attention. Either goes through [`fixed_order.inductor_backend`], on the GEMM template where
