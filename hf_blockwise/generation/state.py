@@ -29,8 +29,8 @@ class DecodingStats:
         accepted (`torch.LongTensor` of shape `(num_iterations, batch_size)`): tokens each row gained at each
             iteration (accepted drafts plus the base model's own token); 0 once a row has finished.
         compiled_forwards (`int`): how many of the forward passes ran through the compiled engine's graph
-            (`blockwise_compile=`; its first pass of a call runs eagerly); 0 without the engine. Compiled graphs run
-            no module hooks, so a caller counting decoder calls with a hook adds these.
+            (`blockwise_compile=`; its first pass of a call runs eagerly unless `compiled_prefill`); 0 without the
+            engine. Compiled graphs run no module hooks, so a caller counting decoder calls with a hook adds these.
     """
 
     num_forwards: int
