@@ -154,10 +154,11 @@ class CompileOptions:
             integers, fewer products (each costs mostly a fixed time at decoding's few rows).
         compiled_prefill (`bool`, defaults to `False`): on CPU with inductor, the first decoder call of each
             `generate` (the decoder start token; it writes the cross-attention cache) through a graph of its own
-            instead of eagerly. Measured on the 2-core Intel Xeon (AMX) for `marian-base-en-de`: that call 8.1 -> 2.6
-            ms in int8, ~10 ms eager in float32; it costs a second graph per batch class (~22 s more compiling on
-            a cold cache, ~10 s on a warm one) holding its own frozen copy of the weights, so it pays off on long
-            runs (the corpus job turns it on), not on a few sentences. Both the drafted decodes and the greedy
+            instead of eagerly. Measured on the 2-core Intel Xeon (AMX), `marian-base-en-de` in int8, 30 captions
+            (`hf-blockwise profile step --int8 --compiled [--compiled-prefill]`, docs/guides/compiled-engine.md):
+            greedy 52.5 -> 46.0 ms a sentence. It costs a second graph per batch class (~22 s more compiling on a
+            cold cache) holding its own frozen copy of the weights, so it pays off on long runs (the corpus job
+            turns it on), not on a few sentences. Both the drafted decodes and the greedy
             reference run the same first call, so the one-arithmetic contract is unchanged.
     """
 
@@ -298,7 +299,8 @@ class CompiledModule:
         self.freezing = options.freezing and options.backend == "inductor" and mode != "reduce-overhead"
         module.forward = types.MethodType(own_code(type(module).forward), module)
         # after the line above: a watched module's `forward` attribute is part of its state
-        self.weights, self.module_state = WeightsSnapshot(self.tree(owner)), ModuleState(self.tree(owner))
+        tree = self.tree(owner)
+        self.weights, self.module_state = WeightsSnapshot(tree), ModuleState(tree)
         backend: Any = options.backend
         cpu_inductor = options.backend == "inductor" and device.type == "cpu" and mode is None
         self.cpu_inductor = cpu_inductor
