@@ -39,6 +39,12 @@ hf-blockwise profile calls --threads 2 --max-tokens 8 --kinds "int8 eager" "int8
     > docs/bench/int8-kernel-call-cost.md
 hf-blockwise profile calls --threads 2 --max-tokens 16 --kinds "float32 compiled" "int8 compiled" \
     > docs/bench/call-cost-curves-1-16.md
+# issue 43: a compiled int8 call by part (products, the graph's kernels, inductor's Python, dynamo) and a drafted
+# generate's fixed cost by part (encoder with the int8 refresh, the engine's stale check, setup)
+hf-blockwise profile calls --threads 2 --max-tokens 4 --kinds "int8 compiled" --torch-profile \
+    > docs/bench/int8-call-parts.md
+hf-blockwise profile step --threads 2 --drafter feature --int8 --compiled --compiled-prefill --source-file $src \
+    --sentences 30 > docs/bench/marian-base-step-profile-int8-fixed.md
 
 # issue 41: one arithmetic on any CPU: identity of every int8 drafter (chains, trees, heads) and of float32 trees
 # against the engine's greedy, both sets at batch 1 (fewer sentences: on a CPU without VNNI an int8 call costs ~95 ms);

@@ -161,6 +161,24 @@ def test_int8_copies_follow_every_change_of_their_float_weights() -> None:
     assert not refresh_int8(int8) and refresh_int8(int8, force=True)  # force: every layer made again
 
 
+def test_the_int8_refresh_remakes_only_the_layers_whose_weights_changed(monkeypatch) -> None:
+    """`refresh_int8` makes again the layers whose float weights changed (a write through `.data`, a replaced bias)
+    and only those; a layer swapped for a new one is fresh, not stale."""
+    int8 = quantize_dynamic_int8(build_model("marian", seed=5))
+    layers = [module for module in int8.modules() if isinstance(module, Int8Linear)]
+    made: list[Int8Linear] = []
+    requantize = Int8Linear.requantize
+    monkeypatch.setattr(Int8Linear, "requantize", lambda layer: (made.append(layer), requantize(layer))[1])
+    assert not refresh_int8(int8) and not made
+    layers[3].weight.data.mul_(-1.0)  # no version counter moves: the sampled values tell
+    layers[7].bias = torch.nn.Parameter(torch.randn_like(layers[7].bias))
+    assert refresh_int8(int8) and made == [layers[3], layers[7]]
+    assert not refresh_int8(int8) and len(made) == 2
+    decoder = int8.get_decoder().layers[0]
+    decoder.fc1 = Int8Linear(torch.nn.Linear(decoder.fc1.in_features, decoder.fc1.out_features))
+    assert not refresh_int8(int8) and len(made) == 2  # the new layer is fresh: nothing made again
+
+
 def test_the_int8_engine_decodes_the_new_int8_weights_after_load_state_dict() -> None:
     """The compiled engine (through dynamo, for time) sees the int8 copies made again: it warns, compiles again and
     decodes a fresh quantization's greedy output."""

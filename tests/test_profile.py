@@ -3,9 +3,12 @@ timed by the same functions, whose engine is tested in test_engine.py)."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 from conftest import save_with_random_heads
 
+from hf_blockwise import engine as engine_module
 from hf_blockwise.drafters import feature, heads, trees
 from hf_blockwise.engine import CompileOptions
 from hf_blockwise.generation import loop, step
@@ -29,18 +32,29 @@ def _table_rows(printed: str) -> list[list[str]]:
 
 def test_the_step_profile_splits_a_decode_into_its_phases(saved_model: str, capsys) -> None:
     """Greedy (the loop alone) spends nothing drafting, the heads do; every phase is a time, the phases sum to the
-    total; the loop's functions and the drafter are put back afterwards."""
-    originals = (loop.decode_step, step.run_decoder)
+    total; generate's fixed cost splits into the encoder, the engine's stale check (none: eager) and the rest; the
+    loop's functions, the engine's check, the encoder's hooks and the drafter are put back afterwards."""
+    originals = (loop.decode_step, step.run_decoder, engine_module._kept)
     arguments = ["profile", "step", "--model", saved_model, "--drafter", "heads", "--threads", "1"]
     assert main([*arguments, "--source-file", f"{saved_model}/sources.txt", "--max-new-tokens", "12"]) == 0
-    rows = {row[0]: [float(cell) for cell in row[1:]] for row in _table_rows(capsys.readouterr().out)[1:]}
-    assert set(rows) == {"greedy (the loop, no drafts)", "heads"}
+    phases_table, fixed_table = capsys.readouterr().out.split("\n\n")
+    rows = {row[0]: [float(cell) for cell in row[1:]] for row in _table_rows(phases_table)[1:]}
+    fixed = {row[0]: [float(cell) for cell in row[1:]] for row in _table_rows(fixed_table)[1:]}
+    assert set(rows) == set(fixed) == {"greedy (the loop, no drafts)", "heads"}
     greedy, heads = rows["greedy (the loop, no drafts)"], rows["heads"]
     assert greedy[1] == 0.0 and heads[1] > 0 and heads[6] > 0  # drafting per sentence, one drafter call
-    for phases in (greedy, heads):
+    for name, phases in rows.items():
         assert all(value >= 0 for value in phases[:4])
         assert phases[4] == pytest.approx(sum(phases[:4]), abs=0.25)  # each printed to 0.1 ms
-    assert (loop.decode_step, step.run_decoder) == originals
+        encoder, engine_check, setup, block_check = fixed[name]
+        assert encoder > 0 and engine_check == block_check == 0.0 and setup >= 0  # eager: no compiled object
+        assert encoder + setup == pytest.approx(phases[3], abs=0.25)
+    assert (loop.decode_step, step.run_decoder, engine_module._kept) == originals
+    loaded = load_model(saved_model)
+    phases = profile.step_phases(loaded.base, loaded.tokenizer, ["w5 w6"], None, False, max_new_tokens=4)
+    assert phases["encoder"] > 0
+    encoder = loaded.base.get_encoder()
+    assert not encoder._forward_pre_hooks and not encoder._forward_hooks
 
 
 def test_divergences_and_call_costs_are_reported(saved_model: str, capsys) -> None:
@@ -99,3 +113,26 @@ def test_profile_usage_errors_name_what_is_wrong(saved_model: str, tmp_path, cap
     with pytest.raises(SystemExit):
         main(["profile", "step", "--model", saved_model, "--source-file", f"{saved_model}/missing.txt"])
     assert "--source-file" in capsys.readouterr().err
+
+
+def test_a_compiled_calls_time_is_split_into_its_parts() -> None:
+    """`profile calls --torch-profile`: each profiler event's self time goes to one part, per call."""
+    event = collections.namedtuple("event", "key self_cpu_time_total")  # microseconds, as torch.profiler's
+    events = [
+        event("hf_blockwise::int8_mm", 900.0),
+        event("aten::_int_mm", 100.0),
+        event("graph_0_cpp_fused_add_amax_0", 400.0),
+        event("## Call CompiledFxGraph fa1b2c3 ##", 600.0),
+        event("TorchDynamo Cache Lookup", 150.0),
+        event("Torch-Compiled Region: 0/0", 50.0),
+        event("aten::empty", 200.0),
+    ]
+    parts = profile.call_time_parts(events, calls=2)
+    assert list(parts) == list(profile.CALL_PARTS)
+    assert parts == {
+        "int8 products": 0.5,
+        "the graph's own kernels": 0.2,
+        "inductor's Python between kernels": 0.3,
+        "dynamo": 0.1,
+        "other": 0.1,
+    }

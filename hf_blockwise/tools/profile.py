@@ -2,7 +2,7 @@
 
 - [`call_cost_rows`] (`profile calls`): one cached decoder call of 1..N tokens, batch 1, against the time its
   weights' bytes take to stream, from memory and from cache ([`bandwidth_gb_s`]), for float32 and int8, eager and
-  compiled; [`profile_compiled_call`] adds `torch.profiler`'s table of one compiled int8 call.
+  compiled; [`profile_compiled_call`] adds `torch.profiler`'s table of one compiled int8 call and its time by part.
 - [`step_phases`] (`profile step`): a blockwise decode's time per sentence split into verification, drafting,
   bookkeeping and `generate`'s fixed cost.
 - [`divergences`] (`profile divergences`): where blockwise decoding departs from greedy decoding of the same
@@ -17,7 +17,7 @@ import collections
 import copy
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -26,9 +26,10 @@ import torch
 from torch import nn
 
 from hf_blockwise import blockwise_generate, first_divergence, quantize_dynamic_int8
+from hf_blockwise import engine as engine_module
 from hf_blockwise.drafters import feature, heads, trees
 from hf_blockwise.drafters.base import Drafter, likely_candidates
-from hf_blockwise.engine import CompileOptions
+from hf_blockwise.engine import CompileOptions, drop_compiled
 from hf_blockwise.evaluation.cost_curve import CAPTION, compiled_call, decoder_cost_curve
 from hf_blockwise.evaluation.harness import wall_clock
 from hf_blockwise.generation import loop, step
@@ -132,18 +133,58 @@ def call_cost_table(rows: Sequence[CallCostRow], from_memory: float, from_cache:
     return "\n".join(lines)
 
 
-def profile_compiled_call(model: nn.Module, tokenizer: Any, calls: int = 20, width: int = 3) -> str:
+def profile_compiled_call(
+    model: nn.Module, tokenizer: Any, calls: int = 20, width: int = 3
+) -> tuple[str, dict[str, float]]:
     """`torch.profiler`'s table (ops by self time, grouped by input shapes) over `calls` compiled decoder calls of
-    `width` tokens, batch 1."""
-    call = compiled_call(model, tokenizer, width)
-    for _ in range(3):  # warm: compiled, and the graphs' first runs done
-        call()
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, record_shapes=True) as profile:
-        for _ in range(calls):
-            call()
-    averages = profile.key_averages(group_by_input_shape=True)
-    return averages.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40)
+    `width` tokens, batch 1, and the milliseconds one call spends in each part ([`call_time_parts`]).
+
+    The graph is compiled here with inductor's kernel profiling (`cpp.enable_kernel_profile`), so that its own C++
+    kernels are timed by name beside the operators it calls: `model`'s engine is dropped before and after, so that
+    the profiled graph serves nothing else.
+    """
+    drop_compiled(model)
+    try:
+        with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
+            call = compiled_call(model, tokenizer, width)
+            for _ in range(3):  # warm: compiled, and the graphs' first runs done
+                call()
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=activities, record_shapes=True) as profile:
+            for _ in range(calls):
+                call()
+    finally:
+        drop_compiled(model)
+    table = profile.key_averages(group_by_input_shape=True).table(
+        sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40
+    )
+    return table, call_time_parts(profile.key_averages(), calls)
+
+
+CALL_PARTS = ("int8 products", "the graph's own kernels", "inductor's Python between kernels", "dynamo", "other")
+
+
+def call_time_parts(averages: Iterable[Any], calls: int) -> dict[str, float]:
+    """Milliseconds per call in each of [`CALL_PARTS`], from `torch.profiler` averages (self CPU times) of a graph
+    compiled with kernel profiling: the int8 products (hf_blockwise's kernel, `torch._int_mm`), the graph's C++
+    kernels (`graph_*`), the self time of inductor's generated Python `call` (what runs between kernels), dynamo's
+    frame (its cache lookup with the guards, the compiled region's entry, the pre-graph bytecode, AOT's wrapper) and
+    the other operators (allocations, views)."""
+    parts = dict.fromkeys(CALL_PARTS, 0.0)
+    for event in averages:
+        name = event.key
+        if name.endswith("int8_mm") or name == "aten::_int_mm":
+            part = "int8 products"
+        elif name.startswith("graph_"):
+            part = "the graph's own kernels"
+        elif name.startswith("## Call CompiledFxGraph"):
+            part = "inductor's Python between kernels"
+        elif name.startswith(("TorchDynamo", "Torch-Compiled Region", "Pregraph bytecode", "AOTDispatcher")):
+            part = "dynamo"
+        else:
+            part = "other"
+        parts[part] += event.self_cpu_time_total / 1000 / calls
+    return parts
 
 
 def guard_cost(
@@ -186,30 +227,53 @@ def _ms_per_call(call: Callable[[], None], calls: int) -> float:
 
 
 @contextmanager
-def _timing(totals: dict[str, float], drafter: Drafter | None) -> Iterator[None]:
-    """Times the loop's step, its decoder forward and the drafter's `get_candidates` into `totals` (seconds and
-    call counts) while the block runs; the loop's functions and the drafter are put back after it, raised or not."""
+def _timing(totals: dict[str, float], drafter: Drafter | None, encoder: nn.Module) -> Iterator[None]:
+    """Times into `totals` (seconds and call counts), while the block runs: the loop's step, its decoder forward, the
+    drafter's `get_candidates`, the compiled objects' stale checks (`engine._kept`: the engine's and the drafting
+    blocks' weight and module snapshots, compared once per `generate`; those made inside a step, a drafting block's
+    on the first draft, apart) and the encoder's forward with the hooks before it (an int8 base's refresh of its
+    int8 copies). Everything is put back after the block, raised or not."""
+
+    in_step: list[bool] = [False]
 
     def timed(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start, inside = time.perf_counter(), in_step[0]
+            in_step[0] = inside or name == "step"
             try:
                 return function(*args, **kwargs)
             finally:
-                totals[name] += time.perf_counter() - start
+                in_step[0] = inside
+                key = f"{name} in steps" if inside and name == "stale checks" else name
+                totals[key] += time.perf_counter() - start
                 totals[f"{name} calls"] += 1
 
         return run
 
-    originals = (loop.decode_step, step.run_decoder)
+    started: list[float] = []
+
+    def encoder_starts(*_: Any) -> None:
+        started.append(time.perf_counter())
+
+    def encoder_ends(*_: Any) -> None:
+        totals["encoder"] += time.perf_counter() - started.pop()
+
+    originals = (loop.decode_step, step.run_decoder, engine_module._kept)
     loop.decode_step = timed("step", loop.decode_step)  # called through the modules' globals
     step.run_decoder = timed("verification", step.run_decoder)
+    engine_module._kept = timed("stale checks", engine_module._kept)
+    hooks = [
+        encoder.register_forward_pre_hook(encoder_starts, prepend=True),  # before the int8 refresh's hook
+        encoder.register_forward_hook(encoder_ends, always_call=True),
+    ]
     if drafter is not None:  # an attribute of the instance: this drafter only, whatever its class
         drafter.get_candidates = timed("drafting", drafter.get_candidates)  # type: ignore[method-assign]
     try:
         yield
     finally:
-        loop.decode_step, step.run_decoder = originals
+        loop.decode_step, step.run_decoder, engine_module._kept = originals
+        for hook in hooks:
+            hook.remove()
         if drafter is not None:
             del drafter.get_candidates
 
@@ -227,11 +291,15 @@ def step_phases(
 
     Returns:
         `dict[str, float]`: `verification`, `drafting`, `bookkeeping` (the rest of each step: feed, scores,
-        acceptance, stopping, advance), `generate (fixed)` (what a call spends outside its steps: encoder,
-        transformers' setup, the loop's own), `total`, `verification per call`, `drafting per call`.
+        acceptance, stopping, advance), `generate (fixed)` (what a call spends outside its steps), `total`,
+        `verification per call`, `drafting per call`; then `generate (fixed)` split: `encoder` (its forward and the
+        hooks before it: an int8 base's refresh of its int8 copies), `engine check` (the compiled engine's stale
+        checks, once per `generate`; 0 when eager) and `setup` (the rest: transformers' preparation, the loop's own,
+        the tokenizer); and `block check`, a drafting block's stale checks (part of `drafting`: made on the first
+        draft of each `generate`).
     """
     totals: dict[str, float] = collections.defaultdict(float)
-    with torch.inference_mode(), _timing(totals, drafter):
+    with torch.inference_mode(), _timing(totals, drafter, base.get_encoder()):
         for _run in ("warm-up", "timed"):
             totals.clear()
             start = time.perf_counter()
@@ -248,12 +316,18 @@ def step_phases(
         "generate (fixed)": total - totals["step"],
         "total": total,
     }
+    fixed = {
+        "encoder": totals["encoder"],
+        "engine check": totals["stale checks"],
+        "setup": phases["generate (fixed)"] - totals["encoder"] - totals["stale checks"],
+        "block check": totals["stale checks in steps"],
+    }
     per_sentence = {name: 1000 * seconds / len(sources) for name, seconds in phases.items()}
     per_call = {
         f"{name} per call": 1000 * totals[name] / totals[f"{name} calls"] if totals[f"{name} calls"] else float("nan")
         for name in ("verification", "drafting")
     }
-    return {**per_sentence, **per_call}
+    return {**per_sentence, **per_call, **{name: 1000 * seconds / len(sources) for name, seconds in fixed.items()}}
 
 
 @dataclass(frozen=True)

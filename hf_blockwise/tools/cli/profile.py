@@ -11,6 +11,7 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from hf_blockwise import quantize_dynamic_int8
+from hf_blockwise.drafters.base import Drafter
 from hf_blockwise.engine import CompileOptions
 from hf_blockwise.loading import DRAFTER_NAMES, REALISTIC_MODEL, DrafterOptions, LoadedModel, build_drafter, load_model
 from hf_blockwise.text_files import read_lines
@@ -116,14 +117,7 @@ def run_profile_command(parser: argparse.ArgumentParser, args: argparse.Namespac
           f"k = {drafter.block_size}" + (", compiled engine" if args.compiled else ", eager")
           + (" (first call compiled too)" if args.compiled_prefill else ""))  # fmt: skip
     if args.question == "step":
-        print("| mode | verification | drafting | bookkeeping | generate (fixed) | total | one verification | one "
-              "drafter call |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
-        for name, assistant in (("greedy (the loop, no drafts)", None), (args.drafter, drafter)):
-            phases = profile.step_phases(
-                loaded.base, loaded.tokenizer, sources, assistant, compiled, args.max_new_tokens
-            )
-            print(f"| {name} | " + " | ".join(f"{value:.1f}" for value in phases.values()) + " |")
-        print("(ms per sentence; the last two columns: ms per call)")
+        _print_step_phases(loaded, sources, drafter, compiled, args)
         return 0
     report = profile.divergences(loaded.base, loaded.tokenizer, sources, drafter, compiled, args.max_new_tokens)
     for source, found in report.differing:
@@ -132,6 +126,34 @@ def run_profile_command(parser: argparse.ArgumentParser, args: argparse.Namespac
     print(f"identical to {reference}: {report.sentences - len(report.differing)}/{report.sentences}")
     print("top-2 logit gaps at the divergences: " + (", ".join(f"{gap:.4f}" for gap in report.gaps) or "none"))
     return 0
+
+
+_STEP_COLUMNS = ("verification", "drafting", "bookkeeping", "generate (fixed)", "total", "verification per call",
+                 "drafting per call")  # fmt: skip
+_FIXED_COLUMNS = ("encoder", "engine check", "setup", "block check")
+
+
+def _print_step_phases(
+    loaded: LoadedModel, sources: list[str], drafter: Drafter, compiled: bool | CompileOptions, args: argparse.Namespace
+) -> None:
+    modes = (("greedy (the loop, no drafts)", None), (args.drafter, drafter))
+    phases = {
+        name: profile.step_phases(loaded.base, loaded.tokenizer, sources, assistant, compiled, args.max_new_tokens)
+        for name, assistant in modes
+    }
+    print("| mode | verification | drafting | bookkeeping | generate (fixed) | total | one verification | one "
+          "drafter call |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+    for name, values in phases.items():
+        print(f"| {name} | " + " | ".join(f"{values[column]:.1f}" for column in _STEP_COLUMNS) + " |")
+    print("(ms per sentence; the last two columns: ms per call)\n")
+    print("| mode | generate (fixed): encoder | engine's stale check | setup | drafting: block's stale check |\n"
+          "|---|---|---|---|---|")  # fmt: skip
+    for name, values in phases.items():
+        print(f"| {name} | " + " | ".join(f"{values[column]:.1f}" for column in _FIXED_COLUMNS) + " |")
+    print(
+        "(ms per sentence: the encoder with an int8 base's refresh of its copies before it; the stale checks of "
+        "the compiled engine and of a drafting block, once per generate; the rest of generate's fixed cost)"
+    )
 
 
 def _print_calls(loaded: LoadedModel, args: argparse.Namespace, threads: int) -> None:
@@ -148,7 +170,10 @@ def _print_calls(loaded: LoadedModel, args: argparse.Namespace, threads: int) ->
             print(f"| {width} tok | {ms:.2f} | {guards:.3f} |")
     if args.torch_profile:  # int8 made above
         print("\nWhere a compiled int8 call of 3 tokens spends its time (20 calls; divide by 20 for one):\n")
-        print("```\n" + profile.profile_compiled_call(int8, loaded.tokenizer) + "\n```")
+        table, parts = profile.profile_compiled_call(int8, loaded.tokenizer)
+        print("```\n" + table + "\n```\n\n| part of one call | ms |\n|---|---|")
+        for part, milliseconds in parts.items():
+            print(f"| {part} | {milliseconds:.3f} |")
 
 
 def _print_acceptance(parser: argparse.ArgumentParser, args: argparse.Namespace, model: str, threads: int) -> int:
