@@ -13,9 +13,11 @@ The integer product runs on hf_blockwise's kernel for AVX-512 VNNI on weights pa
 does not run: both sum in exact int32, so they compute the same integers. Both are operators that `torch.compile`
 calls as they are; the rows' quantization before them and the scaling after are plain elementwise torch operations,
 which the compiled engine fuses with the layer norm before and the residual after, computing the same bits as eager
-decoding. A compiled int8 decoder call of `marian-base-en-de` (2-core Zen 4 EPYC, `hf-blockwise profile calls
---threads 2 --kinds "int8 compiled"`) takes 2.7-3.7 ms at 1-8 tokens on the kernel against 3.9-4.7 ms on
-`torch._int_mm`, whose 49 products a call cost 2.5 ms against 0.8 ms.
+decoding. Eagerly, on the kernel's packed weight, a layer runs the three steps in one call of the kernel's library
+(`int8_kernel.int8_linear`: the same float32 operations in the same order, so the same bits as the torch steps,
+[`int8_linear_steps`]), one dispatch instead of ~8. A compiled int8 decoder call of `marian-base-en-de` (2-core
+Zen 4 EPYC, `hf-blockwise profile calls --threads 2 --kinds "int8 compiled"`) takes 2.7-3.7 ms at 1-8 tokens on the
+kernel against 3.9-4.7 ms on `torch._int_mm`, whose 49 products a call cost 2.5 ms against 0.8 ms.
 
 Quantizing changes the model, and so its greedy output (the benchmark reports the quality change); blockwise
 decoding of the quantized model is then exact with respect to the quantized model's greedy decoding.
@@ -68,6 +70,24 @@ def int8_linear(
     Returns:
         `torch.FloatTensor` of shape `(rows, out_features)`.
     """
+    if weight_offsets is not None and not torch.compiler.is_compiling():
+        # eager, on the packed weight: `int8_linear_steps` in one call of the kernel's library, computing each step
+        # as those torch operations do (the same float32 operations in the same order, no contraction): the same
+        # bits, one dispatch instead of ~8 (under torch.compile the steps stay torch's, for inductor to fuse with
+        # their neighbours)
+        return int8_kernel.int8_linear(inputs, weight_int8, weight_offsets, weight_scale, bias)
+    return int8_linear_steps(inputs, weight_int8, weight_offsets, weight_scale, bias)
+
+
+def int8_linear_steps(
+    inputs: torch.Tensor,
+    weight_int8: torch.Tensor,
+    weight_offsets: torch.Tensor | None,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """[`int8_linear`] as torch operations, step by step (what `torch.compile` traces, and eager decoding on
+    `torch._int_mm`'s layout): the arguments and result are [`int8_linear`]'s."""
     # (N, 1): each row's largest magnitude maps to 127
     scale = torch.linalg.vector_norm(inputs, float("inf"), dim=1, keepdim=True)
     scale = scale.clamp_(min=torch.finfo(torch.float32).tiny).div_(_INT8_MAX)

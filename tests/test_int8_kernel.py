@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import build_model, random_batch
 
-from hf_blockwise import quantize_dynamic_int8
+from hf_blockwise import quantization, quantize_dynamic_int8
 from hf_blockwise.engine import CompiledModule, CompileOptions
 from hf_blockwise.kernels import int8 as int8_kernel
 from hf_blockwise.quantization import Int8Linear
@@ -88,6 +88,35 @@ def test_a_requantized_layer_stays_packed_and_follows_its_weights(monkeypatch) -
     assert torch.equal(layer.weight_offsets, fresh.weight_offsets)
     rows = torch.randn(3, 16)
     assert torch.equal(layer(rows), fresh(rows))
+
+
+@vnni
+@pytest.mark.parametrize(("features", "outputs"), [(4, 1), (36, 200), (512, 512), (2048, 130)])
+def test_the_one_call_layer_computes_the_bits_of_the_torch_steps(features: int, outputs: int) -> None:
+    """Eager int8 layers on a packed weight run `int8_linear` in one call of the kernel's library: its outputs equal
+    the torch operations' (what a compiled graph traces) bit for bit, with and without bias, at every row count,
+    for rows of zeros (the scale's floor), rows whose features are not a multiple of 16 and values at the int8
+    scale's rounding edges."""
+    assert int8_kernel._loaded()
+    generator = torch.Generator().manual_seed(features + outputs)
+    linear = torch.nn.Linear(features, outputs)
+    weight_int8_t, weight_scale, bias = quantization._quantized(linear.weight, linear.bias)
+    packed, offsets = int8_kernel.pack(weight_int8_t)
+    for count in (0, 1, 2, 3, 4, 5, 9, 17):
+        inputs = torch.randn(count, features, generator=generator) * 4
+        if count > 1:
+            inputs[1] = 0.0
+        if count > 2:  # halves of the scale: ties that round to even
+            inputs[2] = torch.arange(features) % 255 - 127.0
+            inputs[2, 0] = 254.0
+        for with_bias in (bias, None):
+            fused = int8_kernel.int8_linear(inputs, packed, offsets, weight_scale, with_bias)
+            steps = quantization.int8_linear_steps(inputs, packed, offsets, weight_scale, with_bias)
+            assert torch.equal(fused, steps), (count, with_bias is None)
+        assert torch.equal(  # a strided view of the inputs too
+            int8_kernel.int8_linear(inputs.t().contiguous().t(), packed, offsets, weight_scale, bias),
+            quantization.int8_linear_steps(inputs, packed, offsets, weight_scale, bias),
+        )
 
 
 def test_a_failed_build_warns_and_leaves_int_mm(monkeypatch) -> None:

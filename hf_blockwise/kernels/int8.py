@@ -6,7 +6,10 @@ output projection (2-core Zen 4 EPYC, 2 threads), against 8-12 us and 0.15 ms he
 file) keeps the weight in `vpdpbusd`'s layout and its column sums, made once when a layer is quantized; a call only
 streams the weight. Its int32 sums are exact, so they are the very integers `torch._int_mm` computes: which kernel a
 layer uses changes its speed, never a bit of its output (`tests/test_int8_kernel.py` checks `torch.equal` against
-`torch._int_mm`).
+`torch._int_mm`). Eager int8 layers on a packed weight call `hf_blockwise::int8_linear` instead ([`int8_linear`]): the
+rows' quantization, the product and the scaling in one call, computing the bits of
+[`hf_blockwise.quantization.int8_linear_steps`] (the library is built with `-ffp-contract=off`, so no product and
+sum become a fused multiply-add).
 
 The kernel is compiled with the machine's C++ compiler the first time an int8 layer is made (~15 s, once: the
 library is kept under `$HF_BLOCKWISE_CACHE`, by default `~/.cache/hf_blockwise`, keyed by the source, torch's
@@ -67,6 +70,7 @@ def _loaded() -> bool:
         )
         return False
     torch.library.register_fake("hf_blockwise::int8_mm")(_int8_mm_shape)
+    torch.library.register_fake("hf_blockwise::int8_linear")(_int8_linear_shape)
     return True
 
 
@@ -75,11 +79,21 @@ def _int8_mm_shape(rows: torch.Tensor, packed: torch.Tensor, offsets: torch.Tens
     return rows.new_empty((rows.shape[0], out_features), dtype=torch.int32)
 
 
+def _int8_linear_shape(
+    inputs: torch.Tensor,
+    packed: torch.Tensor,
+    offsets: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    return inputs.new_empty((inputs.shape[0], weight_scale.shape[0]))
+
+
 def _build(compiler: str) -> Path:
     """The kernel's shared library, compiled once into the cache (written to a temporary name, then renamed, so a
     build killed half-way or two processes building at once never leave a half-written library)."""
     flags = [
-        "-O3", "-shared", "-fPIC", "-std=c++20", "-fopenmp", "-w",
+        "-O3", "-shared", "-fPIC", "-std=c++20", "-fopenmp", "-w", "-ffp-contract=off",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{path}" for path in torch.utils.cpp_extension.include_paths()),
     ]  # fmt: skip
@@ -155,3 +169,26 @@ def int8_mm(rows: torch.Tensor, packed: torch.Tensor, offsets: torch.Tensor, out
         `torch.IntTensor` of shape `(N, out_features)`.
     """
     return torch.ops.hf_blockwise.int8_mm(rows, packed, offsets, out_features)
+
+
+def int8_linear(
+    inputs: torch.Tensor,
+    packed: torch.Tensor,
+    offsets: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """[`hf_blockwise.quantization.int8_linear`] on a packed weight in one call: the rows quantized, multiplied and
+    scaled by the same float32 operations in the same order, so the same bits for finite inputs (`inputs` with NaN
+    or infinity give unspecified rows), in one dispatch instead of ~8.
+
+    Args:
+        inputs (`torch.FloatTensor` of shape `(N, in_features)`).
+        packed, offsets: [`pack`]'s.
+        weight_scale (`torch.FloatTensor` of shape `(out_features,)`), bias (`torch.FloatTensor` of shape
+            `(out_features,)`, *optional*): contiguous.
+
+    Returns:
+        `torch.FloatTensor` of shape `(N, out_features)`.
+    """
+    return torch.ops.hf_blockwise.int8_linear(inputs, packed, offsets, weight_scale, bias)

@@ -17,8 +17,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
 
 namespace {
 
@@ -111,10 +115,76 @@ at::Tensor int8_mm(const at::Tensor& rows, const at::Tensor& packed, const at::T
   return out;
 }
 
+// Each row of `inputs` (count, features) quantized as hf_blockwise.quantization.int8_linear does it with torch
+// operations, step by step in the same float32 arithmetic: its largest magnitude (a maximum: exact), clamped to
+// FLT_MIN, divided by 127 (IEEE division); each input divided by that scale, rounded half to even and cast (exact).
+__attribute__((target("avx512f,avx512bw"))) void quantize_rows(const float* inputs, int64_t count, int64_t features,
+                                                                int8_t* rows, float* scales) {
+  for (int64_t r = 0; r < count; ++r) {
+    const float* x = inputs + r * features;
+    __m512 largest = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= features; k += 16) largest = _mm512_max_ps(largest, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+    float amax = _mm512_reduce_max_ps(largest);
+    for (; k < features; ++k) amax = std::max(amax, std::fabs(x[k]));
+    const float scale = std::max(amax, std::numeric_limits<float>::min()) / 127.0f;
+    scales[r] = scale;
+    const __m512 divisor = _mm512_set1_ps(scale);
+    int8_t* out = rows + r * features;
+    for (k = 0; k + 16 <= features; k += 16) {
+      const __m512 rounded = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + k), divisor),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(rounded)));
+    }
+    for (; k < features; ++k) out[k] = static_cast<int8_t>(std::nearbyint(x[k] / scale));
+  }
+}
+
+// `int8_linear`'s eager path in one call: the rows quantized (quantize_rows), multiplied by the packed weight in
+// exact int32 (block_product), then each sum converted to float32 and multiplied by (row scale x column scale) and
+// the bias added: the operations and their order of the torch code, each correctly rounded, with no contraction into
+// fused multiply-adds (the library is built with -ffp-contract=off), so its outputs are those bits.
+at::Tensor int8_linear(const at::Tensor& inputs, const at::Tensor& packed, const at::Tensor& offsets,
+                       const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(vnni_available(), "hf_blockwise::int8_linear needs a CPU with AVX-512 VNNI");
+  TORCH_CHECK(inputs.dim() == 2 && inputs.scalar_type() == at::kFloat,
+              "hf_blockwise::int8_linear: inputs must be 2-D float32");
+  TORCH_CHECK(weight_scale.dim() == 1 && weight_scale.scalar_type() == at::kFloat && weight_scale.is_contiguous(),
+              "hf_blockwise::int8_linear: weight_scale must be a contiguous 1-D float32 tensor");
+  const int64_t out_features = weight_scale.size(0);
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                                    bias->dim() == 1 && bias->size(0) == out_features),
+              "hf_blockwise::int8_linear: bias must be a contiguous float32 tensor of ", out_features, " values");
+  const at::Tensor x = inputs.contiguous();
+  const int64_t count = x.size(0), features = x.size(1);
+  at::Tensor rows = at::empty({count, features}, x.options().dtype(at::kChar));
+  std::vector<float> scales(count);
+  if (count > 0) quantize_rows(x.data_ptr<float>(), count, features, rows.data_ptr<int8_t>(), scales.data());
+  const at::Tensor sums = int8_mm(rows, packed, offsets, out_features);  // checks the weight's layout
+  at::Tensor out = at::empty({count, out_features}, x.options());
+  const int32_t* sum_data = sums.data_ptr<int32_t>();
+  const float* column_scales = weight_scale.data_ptr<float>();
+  const float* bias_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* out_data = out.data_ptr<float>();
+  for (int64_t r = 0; r < count; ++r) {
+    for (int64_t c = 0; c < out_features; ++c) {
+      const float factor = scales[r] * column_scales[c];
+      float value = static_cast<float>(sum_data[r * out_features + c]) * factor;
+      if (bias_data != nullptr) value = value + bias_data[c];
+      out_data[r * out_features + c] = value;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hf_blockwise, m) {
   m.def("int8_mm(Tensor rows, Tensor packed, Tensor offsets, int out_features) -> Tensor");
+  m.def("int8_linear(Tensor inputs, Tensor packed, Tensor offsets, Tensor weight_scale, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(hf_blockwise, CPU, m) { m.impl("int8_mm", &int8_mm); }
+TORCH_LIBRARY_IMPL(hf_blockwise, CPU, m) {
+  m.impl("int8_mm", &int8_mm);
+  m.impl("int8_linear", &int8_linear);
+}
