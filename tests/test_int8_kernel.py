@@ -113,10 +113,13 @@ def test_the_one_call_layer_computes_the_bits_of_the_torch_steps(features: int, 
             fused = int8_kernel.int8_linear(inputs, packed, offsets, weight_scale, with_bias)
             steps = quantization.int8_linear_steps(inputs, packed, offsets, weight_scale, with_bias)
             assert torch.equal(fused, steps), (count, with_bias is None)
-        assert torch.equal(  # a strided view of the inputs too
-            int8_kernel.int8_linear(inputs.t().contiguous().t(), packed, offsets, weight_scale, bias),
+        strided = (inputs.t().contiguous().t(), weight_scale.repeat_interleave(2)[::2], bias.repeat_interleave(2)[::2])
+        assert torch.equal(
+            int8_kernel.int8_linear(strided[0], packed, offsets, *strided[1:]),
             quantization.int8_linear_steps(inputs, packed, offsets, weight_scale, bias),
         )
+    with pytest.raises(RuntimeError, match="bias must be a float32 tensor of"):
+        int8_kernel.int8_linear(inputs, packed, offsets, weight_scale, bias[:-1])
 
 
 def test_a_failed_build_warns_and_leaves_int_mm(monkeypatch) -> None:

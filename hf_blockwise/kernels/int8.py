@@ -186,7 +186,7 @@ def int8_linear(
         inputs (`torch.FloatTensor` of shape `(N, in_features)`).
         packed, offsets: [`pack`]'s.
         weight_scale (`torch.FloatTensor` of shape `(out_features,)`), bias (`torch.FloatTensor` of shape
-            `(out_features,)`, *optional*): contiguous.
+            `(out_features,)`, *optional*).
 
     Returns:
         `torch.FloatTensor` of shape `(N, out_features)`.

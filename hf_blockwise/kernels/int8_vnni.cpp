@@ -149,13 +149,15 @@ at::Tensor int8_linear(const at::Tensor& inputs, const at::Tensor& packed, const
   TORCH_CHECK(vnni_available(), "hf_blockwise::int8_linear needs a CPU with AVX-512 VNNI");
   TORCH_CHECK(inputs.dim() == 2 && inputs.scalar_type() == at::kFloat,
               "hf_blockwise::int8_linear: inputs must be 2-D float32");
-  TORCH_CHECK(weight_scale.dim() == 1 && weight_scale.scalar_type() == at::kFloat && weight_scale.is_contiguous(),
-              "hf_blockwise::int8_linear: weight_scale must be a contiguous 1-D float32 tensor");
+  TORCH_CHECK(weight_scale.dim() == 1 && weight_scale.scalar_type() == at::kFloat,
+              "hf_blockwise::int8_linear: weight_scale must be a 1-D float32 tensor");
   const int64_t out_features = weight_scale.size(0);
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                                    bias->dim() == 1 && bias->size(0) == out_features),
-              "hf_blockwise::int8_linear: bias must be a contiguous float32 tensor of ", out_features, " values");
-  const at::Tensor x = inputs.contiguous();
+  TORCH_CHECK(!bias.has_value() ||
+                  (bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == out_features),
+              "hf_blockwise::int8_linear: bias must be a float32 tensor of ", out_features, " values");
+  const at::Tensor x = inputs.contiguous(), column_scale = weight_scale.contiguous();
+  const std::optional<at::Tensor> bias_values =
+      bias.has_value() ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
   const int64_t count = x.size(0), features = x.size(1);
   at::Tensor rows = at::empty({count, features}, x.options().dtype(at::kChar));
   std::vector<float> scales(count);
@@ -163,8 +165,8 @@ at::Tensor int8_linear(const at::Tensor& inputs, const at::Tensor& packed, const
   const at::Tensor sums = int8_mm(rows, packed, offsets, out_features);  // checks the weight's layout
   at::Tensor out = at::empty({count, out_features}, x.options());
   const int32_t* sum_data = sums.data_ptr<int32_t>();
-  const float* column_scales = weight_scale.data_ptr<float>();
-  const float* bias_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const float* column_scales = column_scale.data_ptr<float>();
+  const float* bias_data = bias_values.has_value() ? bias_values->data_ptr<float>() : nullptr;
   float* out_data = out.data_ptr<float>();
   for (int64_t r = 0; r < count; ++r) {
     for (int64_t c = 0; c < out_features; ++c) {
