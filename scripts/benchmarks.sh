@@ -46,10 +46,14 @@ hf-blockwise profile calls --threads 2 --max-tokens 4 --kinds "int8 compiled" --
 hf-blockwise profile step --threads 2 --drafter feature --int8 --compiled --compiled-prefill --source-file $src \
     --sentences 30 > docs/bench/marian-base-step-profile-int8-fixed.md
 # issue 43: eager int8 layers in one call of the kernel's library (the encoder, the engine's eager first call,
-# transformers' int8 greedy)
-hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 100 --batch-sizes 1 \
-    --threads 2 --modes greedy greedy_int8 greedy_int8_compiled feature_int8_compiled ct2_int8 \
-    --out docs/bench/marian-base-multi30k-int8-fused-b1
+# transformers' int8 greedy), both sets
+for set in multi30k europarl; do
+    set_files $set
+    sentences=100; [ $set = europarl ] && sentences=60
+    hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences $sentences \
+        --batch-sizes 1 --threads 2 --modes greedy greedy_int8 greedy_int8_compiled feature_int8_compiled ct2_int8 \
+        --out docs/bench/marian-base-$set-int8-fused-b1
+done
 
 # issue 41: one arithmetic on any CPU: identity of every int8 drafter (chains, trees, heads) and of float32 trees
 # against the engine's greedy, both sets at batch 1 (fewer sentences: on a CPU without VNNI an int8 call costs ~95 ms);
