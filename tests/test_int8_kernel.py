@@ -118,6 +118,12 @@ def test_the_one_call_layer_computes_the_bits_of_the_torch_steps(features: int, 
             int8_kernel.int8_linear(strided[0], packed, offsets, *strided[1:]),
             quantization.int8_linear_steps(inputs, packed, offsets, weight_scale, bias),
         )
+    poisoned = torch.randn(3, features, generator=generator)
+    poisoned[1, -1] = float("nan")  # the last feature: past the 16-wide lanes where features are not a multiple
+    poisoned[2, 0] = float("nan")
+    for outputs_of in (int8_kernel.int8_linear, quantization.int8_linear_steps):
+        result = outputs_of(poisoned, packed, offsets, weight_scale, bias)
+        assert result[1:].isnan().all() and not result[0].isnan().any()  # NaN kept, never a finite output
     with pytest.raises(RuntimeError, match="bias must be a float32 tensor of"):
         int8_kernel.int8_linear(inputs, packed, offsets, weight_scale, bias[:-1])
 

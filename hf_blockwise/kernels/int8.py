@@ -179,8 +179,8 @@ def int8_linear(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """[`hf_blockwise.quantization.int8_linear`] on a packed weight in one call: the rows quantized, multiplied and
-    scaled by the same float32 operations in the same order, so the same bits for finite inputs (`inputs` with NaN
-    or infinity give unspecified rows), in one dispatch instead of ~8.
+    scaled by the same float32 operations in the same order, so the same bits, in one dispatch instead of ~8 (a row
+    holding a NaN gives NaN outputs, as the torch steps do).
 
     Args:
         inputs (`torch.FloatTensor` of shape `(N, in_features)`).

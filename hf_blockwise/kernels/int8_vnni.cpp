@@ -116,17 +116,29 @@ at::Tensor int8_mm(const at::Tensor& rows, const at::Tensor& packed, const at::T
 }
 
 // Each row of `inputs` (count, features) quantized as hf_blockwise.quantization.int8_linear does it with torch
-// operations, step by step in the same float32 arithmetic: its largest magnitude (a maximum: exact), clamped to
-// FLT_MIN, divided by 127 (IEEE division); each input divided by that scale, rounded half to even and cast (exact).
+// operations, step by step in the same float32 arithmetic: its largest magnitude (a maximum: exact; NaN where the row
+// holds one, as torch's norm gives, so that the row's outputs are NaN there too), clamped to FLT_MIN, divided by 127
+// (IEEE division); each input divided by that scale, rounded half to even and cast (exact).
 __attribute__((target("avx512f,avx512bw"))) void quantize_rows(const float* inputs, int64_t count, int64_t features,
                                                                 int8_t* rows, float* scales) {
   for (int64_t r = 0; r < count; ++r) {
     const float* x = inputs + r * features;
     __m512 largest = _mm512_setzero_ps();
+    __mmask16 unordered = 0;  // lanes that met a NaN (`max` would drop it)
     int64_t k = 0;
-    for (; k + 16 <= features; k += 16) largest = _mm512_max_ps(largest, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+    for (; k + 16 <= features; k += 16) {
+      const __m512 values = _mm512_loadu_ps(x + k);
+      unordered |= _mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q);
+      largest = _mm512_max_ps(largest, _mm512_abs_ps(values));
+    }
     float amax = _mm512_reduce_max_ps(largest);
-    for (; k < features; ++k) amax = std::max(amax, std::fabs(x[k]));
+    bool nan = unordered != 0;
+    for (; k < features; ++k) {
+      nan = nan || std::isnan(x[k]);
+      amax = std::max(amax, std::fabs(x[k]));
+    }
+    if (nan) amax = std::numeric_limits<float>::quiet_NaN();
+    // std::max keeps its first argument when they are unordered: a NaN stays NaN, as clamp_ keeps it
     const float scale = std::max(amax, std::numeric_limits<float>::min()) / 127.0f;
     scales[r] = scale;
     const __m512 divisor = _mm512_set1_ps(scale);
