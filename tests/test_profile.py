@@ -34,7 +34,7 @@ def test_the_step_profile_splits_a_decode_into_its_phases(saved_model: str, caps
     """Greedy (the loop alone) spends nothing drafting, the heads do; every phase is a time, the phases sum to the
     total; generate's fixed cost splits into the encoder, the engine's stale check (none: eager) and the rest; the
     loop's functions, the engine's check, the encoder's hooks and the drafter are put back afterwards."""
-    originals = (loop.decode_step, step.run_decoder, engine_module._kept)
+    originals = (loop.decode_step, step.run_decoder, step.verify_chain, engine_module._kept)
     arguments = ["profile", "step", "--model", saved_model, "--drafter", "heads", "--threads", "1"]
     assert main([*arguments, "--source-file", f"{saved_model}/sources.txt", "--max-new-tokens", "12"]) == 0
     phases_table, fixed_table = capsys.readouterr().out.split("\n\n")
@@ -49,7 +49,11 @@ def test_the_step_profile_splits_a_decode_into_its_phases(saved_model: str, caps
         encoder, engine_check, setup, block_check = fixed[name]
         assert encoder > 0 and engine_check == block_check == 0.0 and setup >= 0  # eager: no compiled object
         assert encoder + setup == pytest.approx(phases[3], abs=0.25)
-    assert (loop.decode_step, step.run_decoder, engine_module._kept) == originals
+    assert (loop.decode_step, step.run_decoder, step.verify_chain, engine_module._kept) == originals
+    for option in ("--compiled-prefill", "--drafting-in-verification"):  # how the engine compiles: nothing to compile
+        with pytest.raises(SystemExit) as usage:
+            main([*arguments, option])
+        assert usage.value.code == 2 and "they need --compiled" in capsys.readouterr().err
     loaded = load_model(saved_model)
     phases = profile.step_phases(loaded.base, loaded.tokenizer, ["w5 w6"], None, False, max_new_tokens=4)
     assert phases["encoder"] > 0

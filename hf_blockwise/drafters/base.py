@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_blockwise.engine import CompileOptions
+from hf_blockwise.engine import CompileOptions, DraftingInVerification
 
 
 @dataclass(frozen=True)
@@ -272,6 +272,22 @@ class Drafter(ABC):
         row needs, so a drafter that knows most rows have few drafts should return only that many columns. What the
         drafter keeps for later steps it writes into `request.drafter_state`, in place.
         """
+
+    def drafting_in_verification(
+        self, request: DraftRequest, start: int, num_pending: torch.Tensor, num_fed: torch.Tensor, width: int
+    ) -> DraftingInVerification | None:
+        """Called before a compiled chain step's verification: a drafter whose next drafts can be computed inside
+        the verification's compiled call returns its block and inputs, and gets the block's outputs back through
+        `keep` (the next [`get_candidates`] then hands them out instead of drafting); `None` (the default) drafts
+        in calls of its own. The request is this step's (its `verified_states` already taken in).
+
+        Args:
+            start (`int`): the decoder position of the feed's column 0 (the cache length).
+            num_pending, num_fed (`torch.LongTensor` of shape `(batch_size,)`): verified tokens leading each row's
+                feed, and its real tokens.
+            width (`int`): the feed's columns.
+        """
+        return None
 
     def observe(self, request: DraftRequest) -> None:  # noqa: B027
         """Called instead of [`get_candidates`] on a step where none of this drafter's drafts are wanted (a

@@ -17,6 +17,7 @@ back to the host.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -40,7 +41,7 @@ from hf_blockwise.drafters.trees import (
     ranked_tree,
     select_tree_tensors,
 )
-from hf_blockwise.engine import CompiledModule, compiled_block
+from hf_blockwise.engine import CompiledModule, DraftingInVerification, compiled_block
 from hf_blockwise.quantization import Int8Linear, is_int8
 
 
@@ -99,6 +100,9 @@ class FeatureDraftCache:
             lookup was made (`None` then means compilation is unavailable).
         eager_block ([`FeatureDraftBlock`], *optional*): the drafting block run as a plain module, for trees drafted
             outside the compiled engine (built once per call).
+        drafted (`tuple`, *optional*): drafts made inside the last verification call
+            ([`FeatureDrafter.drafting_in_verification`]): the decoder position of that call's column 0 and the
+            block's outputs, handed out by the next [`FeatureDrafter.get_candidates`].
     """
 
     keys: torch.Tensor | None = None
@@ -112,6 +116,7 @@ class FeatureDraftCache:
     block: CompiledModule | None = None
     block_ready: bool = False
     eager_block: nn.Module | None = None
+    drafted: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def check_draft_threshold(threshold: object, name: str) -> None:
@@ -186,6 +191,7 @@ class FeatureDrafter(Drafter):
 
         cache = drafter_state
         cache.keys, cache.values, cache.lengths = pick(cache.keys), pick(cache.values), pick(cache.lengths)
+        cache.drafted = None  # drafted in a verification call of every row (never made for several rows)
         encoder = cache.encoder
         if encoder is not None:
             cache.encoder = AttentionMemory(pick(encoder.keys), pick(encoder.values), pick(encoder.mask))
@@ -209,6 +215,9 @@ class FeatureDrafter(Drafter):
         verified, cache = request.verified_states, request.drafter_state
         if verified is None:  # before the first verification there are no states to read
             return Drafts.empty(batch_size, device)
+        drafted, cache.drafted = cache.drafted, None
+        if drafted is not None and drafted[0] == verified.start and not cache.backlog:  # taken in by that call
+            return self._drafts(*drafted[1], None)
         if cache.backlog:
             verified = merge_verified([*cache.backlog, verified])
             cache.backlog = []
@@ -255,6 +264,32 @@ class FeatureDrafter(Drafter):
                     predicted, ranked[:, 0], cache, index, visible[:, : cache.filled + index + 1]
                 )
         return self._drafts(torch.stack(tokens, dim=1), torch.stack(probabilities, dim=1), lengths)
+
+    def drafting_in_verification(
+        self, request: DraftRequest, start: int, num_pending: torch.Tensor, num_fed: torch.Tensor, width: int
+    ) -> DraftingInVerification | None:
+        """The compiled drafting block inside the verification call, for chains of one row drafted greedily (no
+        threshold, no sampling, no tree) once the block has run in this `generate` (its weights checked then):
+        the call takes in every fed column and drafts from the last the raw logits verify. Where the logits
+        processors accept otherwise, the drafts only start from another column: the loop's acceptance decides the
+        output, and the next take-in starts at its cache length."""
+        cache = request.drafter_state
+        one_chain = not self.frontier and self.branching == 1 and self.threshold is None
+        if not (one_chain and request.sampling is None and request.lengths.shape[0] == 1 and cache.block_ready):
+            return None
+        if cache.block is None or cache.keys is None or cache.backlog:
+            return None
+        keys = cache.keys
+        needed = start + max(width, self.block_size) + self.block_size  # the chunk, then this call's drafts
+        like = keys.new_empty(keys.shape[0], 0, keys.shape[1] * keys.shape[3])  # (b, 0, d): the states' shape
+        self._reserve(cache, like, needed=needed, rounding=request.sequences.shape[1])
+        encoder = cache.encoder
+        inputs = (
+            torch.tensor(start, device=keys.device), cache.keys, cache.values,
+            *((None, None, None) if encoder is None else (encoder.keys, encoder.values, encoder.mask)),
+        )  # fmt: skip
+        keep = functools.partial(_keep_drafted, cache, start)
+        return DraftingInVerification(cache.block, inputs, num_pending, num_fed, keep)
 
     def _drafts(self, tokens: torch.Tensor, probabilities: torch.Tensor, lengths: torch.Tensor | None) -> Drafts:
         """A chain of each depth's best token (cut at `lengths`, or whole), or with `tree_nodes` a tree over the
@@ -509,11 +544,48 @@ class FeatureDraftBlock(nn.Module):
             (the drafts follow the first); their probabilities under the drafter (`torch.FloatTensor`, same shape).
             With a `frontier`: the tree's tokens and parents instead (`(b, num_nodes)` each, [`_grow`]).
         """
-        batch, width = states.shape[:2]
+        columns = torch.arange(states.shape[1], device=states.device)  # (W,)
+        follow = sequences[:, (start + 1 + columns).clamp(max=sequences.shape[1] - 1)]  # (b, W)
         encoder = None if encoder_keys is None else AttentionMemory(encoder_keys, encoder_values, encoder_mask)
+        return self._take_in_and_draft(states, follow, num_valid, start, keys, values, encoder, noise, temperature)
+
+    def after_verification(
+        self,
+        states: torch.Tensor,
+        follow: torch.Tensor,
+        num_valid: torch.Tensor,
+        start: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        encoder_keys: torch.Tensor | None,
+        encoder_values: torch.Tensor | None,
+        encoder_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[`forward`] inside the verification's graph ([`hf_blockwise.engine.DraftingInVerification`]): every fed
+        column taken in, with the token after each its greedy token (`follow`, `(b, W)`), and the chain drafted from
+        the last of each row's `num_valid` columns. The take-in of the columns past them is overwritten by the next
+        step's (the cache's valid length is the loop's acceptance, set when the drafts are handed out)."""
+        encoder = None if encoder_keys is None else AttentionMemory(encoder_keys, encoder_values, encoder_mask)
+        states = states.to(self.layer.out.weight.dtype)
+        return self._take_in_and_draft(states, follow, num_valid, start, keys, values, encoder, None, 1.0)
+
+    def _take_in_and_draft(
+        self,
+        states: torch.Tensor,
+        follow: torch.Tensor,
+        num_valid: torch.Tensor,
+        start: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        encoder: AttentionMemory | None,
+        noise: torch.Tensor | None,
+        temperature: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk `(b, W, d)` with the token after each column (`follow`, `(b, W)`) taken in at slots `start..`,
+        then the drafts from each row's last valid column (the arguments and result of [`forward`])."""
+        batch, width = states.shape[:2]
         columns = torch.arange(width, device=states.device)  # (W,)
         slots = torch.arange(keys.shape[2], device=states.device)  # (C,)
-        follow = sequences[:, (start + 1 + columns).clamp(max=sequences.shape[1] - 1)]  # (b, W)
         # the chunk: column c sees every slot up to its own position (before `start`, every row's are verified)
         chunk_visible = slots <= (start + columns)[:, None]  # (W, C)
         predicted = self._attend(states, follow, keys, values, start + columns, chunk_visible, encoder)
@@ -619,6 +691,11 @@ class FeatureDraftBlock(nn.Module):
         else:
             logits = F.linear(predicted.to(self.weight.dtype), self.weight, self.bias)  # (b, S)
         return ranked_candidates(logits, self.token_ids, self.branching, noise, temperature)
+
+
+def _keep_drafted(cache: FeatureDraftCache, start: int, outputs: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Keeps drafts made inside the verification call at decoder position `start` for the next step."""
+    cache.drafted = (start, outputs)
 
 
 def _int8_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:

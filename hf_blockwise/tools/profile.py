@@ -228,21 +228,27 @@ def _ms_per_call(call: Callable[[], None], calls: int) -> float:
 
 @contextmanager
 def _timing(totals: dict[str, float], drafter: Drafter | None, encoder: nn.Module) -> Iterator[None]:
-    """Times into `totals` (seconds and call counts), while the block runs: the loop's step, its decoder forward, the
-    drafter's `get_candidates`, the compiled objects' stale checks (`engine._kept`: the engine's and the drafting
-    blocks' weight and module snapshots, compared once per `generate`; those made inside a step, a drafting block's
-    on the first draft, apart) and the encoder's forward with the hooks before it (an int8 base's refresh of its
-    int8 copies). Everything is put back after the block, raised or not."""
+    """Times into `totals` (seconds and call counts), while the block runs: the loop's step, its decoder forward (with
+    the drafter's block when it drafts inside the verification call), the drafter's `get_candidates`, the compiled
+    objects' stale checks (`engine._kept`: the engine's and the drafting blocks' weight and module snapshots,
+    compared once per `generate`; those made inside a step, a drafting block's on the first draft, apart) and the
+    encoder's forward with the hooks before it (an int8 base's refresh of its int8 copies). Everything is put back
+    after the block, raised or not."""
 
     in_step: list[bool] = [False]
+    active: set[str] = set()  # a timed function called inside one of the same name (run_decoder in verify_chain)
 
     def timed(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
+            if name in active:
+                return function(*args, **kwargs)
+            active.add(name)
             start, inside = time.perf_counter(), in_step[0]
             in_step[0] = inside or name == "step"
             try:
                 return function(*args, **kwargs)
             finally:
+                active.discard(name)
                 in_step[0] = inside
                 key = f"{name} in steps" if inside and name == "stale checks" else name
                 totals[key] += time.perf_counter() - start
@@ -258,9 +264,10 @@ def _timing(totals: dict[str, float], drafter: Drafter | None, encoder: nn.Modul
     def encoder_ends(*_: Any) -> None:
         totals["encoder"] += time.perf_counter() - started.pop()
 
-    originals = (loop.decode_step, step.run_decoder, engine_module._kept)
+    originals = (loop.decode_step, step.run_decoder, step.verify_chain, engine_module._kept)
     loop.decode_step = timed("step", loop.decode_step)  # called through the modules' globals
-    step.run_decoder = timed("verification", step.run_decoder)
+    step.run_decoder = timed("verification", step.run_decoder)  # tree steps' and the first call's
+    step.verify_chain = timed("verification", step.verify_chain)  # chain steps' (with any drafting inside the call)
     engine_module._kept = timed("stale checks", engine_module._kept)
     hooks = [
         encoder.register_forward_pre_hook(encoder_starts, prepend=True),  # before the int8 refresh's hook
@@ -271,7 +278,7 @@ def _timing(totals: dict[str, float], drafter: Drafter | None, encoder: nn.Modul
     try:
         yield
     finally:
-        loop.decode_step, step.run_decoder, engine_module._kept = originals
+        loop.decode_step, step.run_decoder, step.verify_chain, engine_module._kept = originals
         for hook in hooks:
             hook.remove()
         if drafter is not None:

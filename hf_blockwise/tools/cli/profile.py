@@ -75,6 +75,12 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
             action="store_true",
             help="with --compiled: each generate's first decoder call compiled too (CompileOptions.compiled_prefill)",
         )
+        question.add_argument(
+            "--drafting-in-verification",
+            action="store_true",
+            help="with --compiled: the drafter drafts inside the verification call, one call per step "
+            "(CompileOptions(drafting_in_verification=True))",
+        )
 
 
 def run_profile_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -109,13 +115,18 @@ def run_profile_command(parser: argparse.ArgumentParser, args: argparse.Namespac
         sources = (read_lines(source_file) if source_file else DEMO_SENTENCES)[: args.sentences]
     except ValueError as error:  # not UTF-8: the file, line and byte, and the iconv command
         parser.error(str(error))
-    if args.compiled_prefill and not args.compiled:
-        parser.error("--compiled-prefill compiles the engine's first call: it needs --compiled")
-    compiled = CompileOptions(compiled_prefill=True) if args.compiled_prefill else args.compiled
+    if (args.compiled_prefill or args.drafting_in_verification) and not args.compiled:
+        parser.error(
+            "--compiled-prefill and --drafting-in-verification choose how the engine compiles: they need --compiled"
+        )
+    compiled = args.compiled and CompileOptions(
+        compiled_prefill=args.compiled_prefill, drafting_in_verification=args.drafting_in_verification
+    )
     weights = "int8" if args.int8 else "float32 base, int8 drafter" if args.int8_drafter else "float32"
     print(f"{model}, {len(sources)} sentences, batch 1, {threads} threads, {weights}, drafter {args.drafter}, "
           f"k = {drafter.block_size}" + (", compiled engine" if args.compiled else ", eager")
-          + (" (first call compiled too)" if args.compiled_prefill else ""))  # fmt: skip
+          + (" (first call compiled too)" if args.compiled_prefill else "")
+          + (", drafting inside the verification call" if args.drafting_in_verification else ""))  # fmt: skip
     if args.question == "step":
         _print_step_phases(loaded, sources, drafter, compiled, args)
         return 0
