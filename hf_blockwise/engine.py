@@ -187,9 +187,10 @@ class CompileOptions:
         drafting_in_verification (`bool`, defaults to `False`): a drafter that offers it (the feature drafter's
             chains at batch 1) drafts the next step inside the verification's compiled call: one call per step
             ([`CompiledDecoder.verify_and_draft`]), a graph of its own per engine and drafting block. Measured on the
-            2-core Intel Xeon (AMX), `marian-base-en-de` in int8, 30 captions: 3.0-3.2 ms a step against 2.3 + 1.3 ms
-            in two calls, but 38.6-40.3 against 39.5-39.6 ms a sentence (the first step still drafts in a call of
-            its own, the last drafts for nothing), for ~30-45 s more compiling: off by default.
+            2-core Intel Xeon (AMX), `marian-base-en-de` in int8: 2.9 ms a step in one call against 2.1-2.4 ms +
+            1.2-1.3 ms in two (`hf-blockwise profile step`), yet 36.5 against 36.3 ms a sentence over 60 captions in
+            one process (the first step drafts in a call of its own, the last drafts for nothing), for ~30-45 s more
+            compiling: off by default.
     """
 
     backend: str = "inductor"

@@ -45,6 +45,9 @@ hf-blockwise profile calls --threads 2 --max-tokens 4 --kinds "int8 compiled" --
     > docs/bench/int8-call-parts.md
 hf-blockwise profile step --threads 2 --drafter feature --int8 --compiled --compiled-prefill --source-file $src \
     --sentences 30 > docs/bench/marian-base-step-profile-int8-fixed.md
+# issue 43: one compiled call per step (the verification, its raw acceptance and the drafter's next chain)
+hf-blockwise profile step --threads 2 --drafter feature --int8 --compiled --compiled-prefill \
+    --drafting-in-verification --source-file $src --sentences 30 > docs/bench/marian-base-step-profile-int8-one-call.md
 # issue 43: eager int8 layers in one call of the kernel's library (the encoder, the engine's eager first call,
 # transformers' int8 greedy), both sets
 for set in multi30k europarl; do
