@@ -409,6 +409,10 @@ class CompiledDecoder:
     """
 
     def __init__(self, model: nn.Module, options: CompileOptions) -> None:
+        cpu_inductor = options.backend == "inductor" and next(model.parameters()).device.type == "cpu"
+        for name in ("compiled_prefill", "drafting_in_verification"):  # graphs measured and tested there only
+            if getattr(options, name) and not (cpu_inductor and options.mode is None):
+                raise ValueError(f"CompileOptions({name}=True) compiles on CPU with inductor (and no mode) only")
         self.options = options
         self.position_limit = hf.decoder_position_limit(model)
         self.num_layers = hf.decoder_layer_count(model)
@@ -419,8 +423,6 @@ class CompiledDecoder:
         self._prefill_step = _DecoderStep(model) if options.compiled_prefill else self._step
         self._prefill: CompiledModule | None = None
         if options.compiled_prefill:
-            if not self._compiled.cpu_inductor:
-                raise ValueError("CompileOptions(compiled_prefill=True) compiles on CPU with inductor only")
             self._prefill = CompiledModule(self._prefill_step, options, model, own_products=True, int8=is_int8(model))
         self.weights = self._compiled.weights  # the model's weights as the graph freezes them
         self.module_state = self._compiled.module_state  # its modules as the graph was traced from them

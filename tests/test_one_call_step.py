@@ -126,3 +126,14 @@ def test_a_verify_and_draft_graph_with_other_logits_is_refused_with_a_warning(in
     with warnings.catch_warnings():
         warnings.simplefilter("error", OneArithmeticWarning)  # refused once: drafts in calls of its own from then on
         assert torch.equal(base.generate(**batch, assistant=drafter, **kwargs), greedy)
+
+
+def test_options_for_cpu_inductor_graphs_elsewhere_are_refused_before_anything_is_hooked(int8_feature) -> None:
+    base, _ = int8_feature
+    projection = base.get_output_embeddings()
+    hooks = dict(projection._forward_hooks)
+    for name in ("compiled_prefill", "drafting_in_verification"):
+        options = CompileOptions(backend="eager", **{name: True})
+        with pytest.raises(ValueError, match=rf"CompileOptions\({name}=True\) compiles on CPU with inductor"):
+            engine_module.CompiledDecoder(base, options)
+        assert dict(projection._forward_hooks) == hooks  # no engine's hook left on the model
