@@ -214,6 +214,12 @@ class CompileOptions:
         raise TypeError(f"blockwise_compile= takes a bool or a CompileOptions, got {type(value).__name__}")
 
 
+def on_cpu_inductor(options: CompileOptions, device: torch.device) -> bool:
+    """Whether `options` compile with inductor on CPU without a `mode` (no CUDA graphs): where the engine's graph
+    passes, freezing's packed weights, attention windows and the CPU-only options run."""
+    return options.backend == "inductor" and device.type == "cpu" and options.mode is None
+
+
 def check_compile_available(device: torch.device, options: CompileOptions) -> None:
     """Raises [`CompileUnavailableError`] naming what is missing for `torch.compile` on `device`."""
     if not torch._dynamo.is_dynamo_supported():
@@ -339,7 +345,7 @@ class CompiledModule:
         tree = self.tree(owner)
         self.weights, self.module_state = WeightsSnapshot(tree), ModuleState(tree)
         backend: Any = options.backend
-        cpu_inductor = options.backend == "inductor" and device.type == "cpu" and mode is None
+        cpu_inductor = on_cpu_inductor(options, device)
         self.cpu_inductor = cpu_inductor
         # the template has no int8 product: a graph of int8 linears keeps the libraries
         int8 = is_int8(module) if int8 is None else int8
@@ -409,9 +415,9 @@ class CompiledDecoder:
     """
 
     def __init__(self, model: nn.Module, options: CompileOptions) -> None:
-        cpu_inductor = options.backend == "inductor" and next(model.parameters()).device.type == "cpu"
+        cpu_inductor = on_cpu_inductor(options, next(model.parameters()).device)
         for name in ("compiled_prefill", "drafting_in_verification"):  # graphs measured and tested there only
-            if getattr(options, name) and not (cpu_inductor and options.mode is None):
+            if getattr(options, name) and not cpu_inductor:
                 raise ValueError(f"CompileOptions({name}=True) compiles on CPU with inductor (and no mode) only")
         self.options = options
         self.position_limit = hf.decoder_position_limit(model)
