@@ -180,6 +180,10 @@ def test_bench_runs_drafters_at_other_block_sizes_and_thresholds(tmp_path, capsy
     rows = {row["mode"]: row for row in json.loads((tmp_path / "bench" / "bench.json").read_text())["results"]}
     assert set(rows) == {"greedy", *modes}
     assert all(row["identical_rate"] == 1.0 for row in rows.values())
+    assert f", feature drafter {tmp_path / 'drafter'}\n" in (tmp_path / "bench" / "bench.md").read_text()
+    assert json.loads((tmp_path / "bench" / "bench.json").read_text())["settings"]["feature_drafter"] == str(
+        tmp_path / "drafter"
+    )
     with pytest.raises(SystemExit):
         main(["bench", "--model", str(checkpoint), "--modes", "feature_x"])
     assert "Unknown mode 'feature_x'; choose from" in capsys.readouterr().err

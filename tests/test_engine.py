@@ -439,15 +439,21 @@ class _TwinFeatureDrafter(Drafter):
 
 
 # the block under inductor, and the threshold's cut under dynamo alone: the cut is applied to the block's outputs,
-# outside its graph, which is the same with a threshold or without
-@pytest.mark.parametrize(("threshold", "backend"), [(None, "inductor"), (0.05, "eager")])
-def test_compiled_feature_drafting_drafts_what_the_eager_drafter_drafts(compiled_models, threshold, backend) -> None:
+# outside its graph, which is the same with a threshold or without; a parallel drafter's one-pass block under dynamo
+@pytest.mark.parametrize(
+    ("threshold", "backend", "parallel"), [(None, "inductor", False), (0.05, "eager", False), (None, "eager", True)]
+)
+def test_compiled_feature_drafting_drafts_what_the_eager_drafter_drafts(
+    compiled_models, threshold, backend, parallel
+) -> None:
     """The feature drafter's compiled block (take-in and unrolled drafts in one call) proposes, row by row, the
-    drafts of its eager op-by-op path, over steps with narrower verified chunks (batch 1, where it is used)."""
+    drafts of its eager path (op by op, or the block module for a parallel drafter), over steps with narrower
+    verified chunks (batch 1, where it is used)."""
     # a model of its own under another backend: the shared one's engine stays the inductor one
     base = compiled_models["bart"] if backend == "inductor" else build_model("bart")
     options = CompileOptions(backend=backend)
-    drafter_model = FeatureDrafterModel(base, FeatureDrafterConfig(block_size=4, training_depth=2)).eval()
+    config = FeatureDrafterConfig(block_size=4, training_depth=3 if parallel else 2, parallel_drafts=parallel)
+    drafter_model = FeatureDrafterModel(base, config).eval()
     twin = _TwinFeatureDrafter(drafter_model.drafter(threshold=threshold))
     for seed in (12, 13, 14):  # batch 1: where the compiled block drafts
         batch = random_batch(base, 1, seed=seed, max_source_length=8 + seed % 4)

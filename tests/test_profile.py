@@ -13,6 +13,8 @@ from hf_blockwise.drafters import feature, heads, trees
 from hf_blockwise.engine import CompileOptions
 from hf_blockwise.generation import loop, step
 from hf_blockwise.loading import load_model
+from hf_blockwise.modeling.config import FeatureDrafterConfig
+from hf_blockwise.modeling.feature_model import FeatureDrafterModel
 from hf_blockwise.tools import profile
 from hf_blockwise.tools.cli import main
 
@@ -117,6 +119,22 @@ def test_profile_usage_errors_name_what_is_wrong(saved_model: str, tmp_path, cap
     with pytest.raises(SystemExit):
         main(["profile", "step", "--model", saved_model, "--source-file", f"{saved_model}/missing.txt"])
     assert "--source-file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["profile", "step", "--model", saved_model, "--feature-drafter", str(tmp_path / "missing")])
+    assert "--feature-drafter" in capsys.readouterr().err
+
+
+def test_the_step_profile_takes_a_feature_drafter_saved_elsewhere(saved_model: str, tmp_path, capsys) -> None:
+    """A parallel drafter saved outside the model's folder: its drafting is timed (one layer pass a step)."""
+    base = load_model(saved_model).base
+    config = FeatureDrafterConfig(block_size=4, training_depth=3, parallel_drafts=True)
+    FeatureDrafterModel(base, config).save_pretrained(tmp_path / "parallel")
+    arguments = ["profile", "step", "--model", saved_model, "--feature-drafter", str(tmp_path / "parallel")]
+    assert main([*arguments, "--threads", "1", "--sentences", "2", "--max-new-tokens", "8"]) == 0
+    printed = capsys.readouterr().out
+    assert "drafter feature, k = 4" in printed
+    rows = {row[0]: row[1:] for row in _table_rows(printed.split("\n\n")[0])[1:]}
+    assert float(rows["feature"][1]) > 0  # drafting
 
 
 def test_a_compiled_calls_time_is_split_into_its_parts() -> None:

@@ -144,6 +144,25 @@ def test_self_distillation_and_feature_drafter_recipes_train_resume_and_ship(tmp
     continued = load_file(tmp_path / "again" / "final" / "feature_drafter.safetensors")
     assert shipped.keys() == continued.keys()
     assert all(torch.equal(shipped[name].float(), continued[name].float()) for name in shipped)
+    # ... or turns it into a parallel drafter
+    parallel = [*command[:7], str(tmp_path / "parallel"), *command[8:], "--max-steps", "1", "--lr", "0"]
+    _assert_converts_to_a_parallel_drafter(parallel, ship_dir, tmp_path / "parallel", shipped)
+
+
+def _assert_converts_to_a_parallel_drafter(command: list[str], ship_dir, out_dir, shipped: dict) -> None:
+    """`--init-from` a sequential drafter with `--parallel-drafts`: the same layer (at lr 0, the shipped weights) and
+    new mask offsets."""
+    fourth = subprocess.run(
+        [*command, "--init-from", str(ship_dir), "--parallel-drafts", "true", "--block-size", "3"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert fourth.returncode == 0, fourth.stderr[-3000:]
+    converted = load_file(out_dir / "final" / "feature_drafter.safetensors")
+    assert converted.keys() == shipped.keys() | {"mask_inputs"}
+    assert all(torch.equal(shipped[name].float(), converted[name].float()) for name in shipped)
+    assert converted["mask_inputs"].shape == (1, shipped["fuse.bias"].shape[0])  # one offset for k = 3
+    config = json.loads((out_dir / "final" / "feature_drafter_config.json").read_text())
+    assert config["parallel_drafts"] and config["block_size"] == 3
 
 
 def test_synthetic_errors_are_learner_like_reproducible_and_leave_some_sentences_clean() -> None:

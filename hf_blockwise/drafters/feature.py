@@ -13,6 +13,9 @@ compiled call
 ([`FeatureDraftBlock`]): the drafts are unrolled, the cache is a fixed-capacity buffer read through masks, and the
 threshold cuts each row's drafts with a cumulative product instead of stopping early, so drafting reads nothing
 back to the host.
+
+A parallel drafter (`FeatureDrafterConfig(parallel_drafts=True)`, PARD-style) drafts a step's tokens in one layer
+pass instead: the chunk and one mask query per later draft together ([`FeatureDraftBlock`], eager or compiled).
 """
 
 from __future__ import annotations
@@ -167,6 +170,14 @@ class FeatureDrafter(Drafter):
         if tree_nodes is not None and threshold is not None:
             raise ValueError("threshold cuts chains of drafts; a tree (tree_nodes=) selects its nodes by cumulative "
                              "probability instead: pass one of them")  # fmt: skip
+        masks = model.layer.mask_inputs
+        if masks is not None and (tree_nodes is not None or block_size - 2 > masks.shape[0]):
+            raise ValueError(
+                f"this drafter drafts in parallel from {masks.shape[0]} learned mask inputs: it proposes chains "
+                f"(no tree_nodes) of at most {masks.shape[0] + 1} drafts (block_size <= {masks.shape[0] + 2}), got "
+                f"block_size={block_size}, tree_nodes={tree_nodes}"
+            )
+        self.parallel = masks is not None
         self.model = model
         self.block_size = block_size
         self.threshold = threshold
@@ -233,7 +244,7 @@ class FeatureDrafter(Drafter):
             cache.block, cache.block_ready = self._compiled_block(request, cache), True
         if compiled and cache.block is not None:
             return self._draft_compiled(cache.block, request, verified, cache)
-        if self.frontier:  # trees are grown by the drafting block, run eagerly when not compiled
+        if self.frontier or self.parallel:  # trees and parallel drafts come from the drafting block, eager here
             if cache.eager_block is None:
                 cache.eager_block = self._new_block(cache.projection)
             return self._draft_compiled(cache.eager_block, request, verified, cache)
@@ -583,6 +594,8 @@ class FeatureDraftBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunk `(b, W, d)` with the token after each column (`follow`, `(b, W)`) taken in at slots `start..`,
         then the drafts from each row's last valid column (the arguments and result of [`forward`])."""
+        if self.layer.mask_inputs is not None:
+            return self._in_one_pass(states, follow, num_valid, start, keys, values, encoder, noise, temperature)
         batch, width = states.shape[:2]
         columns = torch.arange(width, device=states.device)  # (W,)
         slots = torch.arange(keys.shape[2], device=states.device)  # (C,)
@@ -608,6 +621,41 @@ class FeatureDraftBlock(nn.Module):
                     predicted[:, None], token[:, None], keys, values, slot, visible[:, None, None, :], encoder
                 )[:, 0]
         return torch.stack(tokens, dim=1), torch.stack(probabilities, dim=1)
+
+    def _in_one_pass(
+        self,
+        states: torch.Tensor,
+        follow: torch.Tensor,
+        num_valid: torch.Tensor,
+        start: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        encoder: AttentionMemory | None,
+        noise: torch.Tensor | None,
+        temperature: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[`_take_in_and_draft`] for parallel drafts (PARD-style): the chunk and `num_drafts - 1` mask inputs in one
+        layer pass. The first draft comes from each row's last valid column, draft i + 1 from mask i (that column's
+        input plus the layer's offset i, its keys at slot `start + W + i`), which sees its row's verified slots and
+        masks 0..i: no draft waits for the one before."""
+        batch, width = states.shape[:2]
+        device = states.device
+        num_masks = self.num_drafts - 1
+        columns, offsets = torch.arange(width, device=device), torch.arange(num_masks, device=device)  # (W,), (n-1,)
+        slots = torch.arange(keys.shape[2], device=device)  # (C,)
+        filled, lengths = start + width, start + num_valid  # (), (b,)
+        chunk_visible = (slots <= (start + columns)[:, None]).expand(batch, -1, -1)  # (b, W, C)
+        mask_visible = (slots < lengths[:, None])[:, None] | (
+            (slots >= filled) & (slots <= (filled + offsets)[:, None])
+        )  # (b, n-1, C)
+        rows, last = torch.arange(batch, device=device), (num_valid - 1).clamp(min=0)  # (b,), (b,)
+        chunk = self.layer.inputs(states, self.embeddings(follow))  # (b, W, d)
+        masks = chunk[rows, last][:, None] + self.layer.mask_inputs[:num_masks]  # (b, n-1, d)
+        write = torch.cat([start + columns, filled + offsets])  # (W + n-1,)
+        visible = torch.cat([chunk_visible, mask_visible], dim=1)[:, None]  # (b, 1, W + n-1, C)
+        predicted = self._attend_inputs(torch.cat([chunk, masks], 1), keys, values, write, visible, encoder)
+        drafted = torch.cat([predicted[rows, last][:, None], predicted[:, width:]], dim=1)  # (b, n, d)
+        return self._choose(drafted, noise, temperature)  # (b, n, m) each
 
     def _grow(
         self,
@@ -671,8 +719,20 @@ class FeatureDraftBlock(nn.Module):
     ) -> torch.Tensor:
         """The layer over `(b, Q)` positions: their keys written at slots `write` (shape `(Q,)`), attention through
         `visible` (broadcastable to `(b, 1, Q, C)`); returns predicted next states `(b, Q, d)`."""
+        inputs = self.layer.inputs(states, self.embeddings(tokens))  # (b, Q, d)
+        return self._attend_inputs(inputs, keys, values, write, visible, encoder)
+
+    def _attend_inputs(
+        self,
+        inputs: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        write: torch.Tensor,
+        visible: torch.Tensor,
+        encoder: AttentionMemory | None,
+    ) -> torch.Tensor:
+        """[`_attend`] from the layer's inputs `(b, Q, d)` (fused states and tokens, or mask inputs)."""
         layer = self.layer
-        inputs = layer.inputs(states, self.embeddings(tokens))  # (b, Q, d)
         fresh, normed = layer.self_memory(inputs)  # (b, H, Q, d/H)
         keys.index_copy_(2, write, fresh.keys)
         values.index_copy_(2, write, fresh.values)

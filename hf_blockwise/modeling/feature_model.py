@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
@@ -104,6 +105,7 @@ class FeatureDrafterModel(AdapterModelMixin, BaseModelWrapper):
             fc.ffn_size,
             fc.encoder_hidden_size if fc.cross_attention else None,
             fc.shortlist_size,
+            fc.training_depth - 1 if fc.parallel_drafts else 0,
         )
         projection = base_model.get_output_embeddings().weight
         self.layer.to(device=projection.device, dtype=projection.dtype)
@@ -214,7 +216,8 @@ class FeatureDrafterModel(AdapterModelMixin, BaseModelWrapper):
         valid: torch.Tensor,
     ) -> FeatureDrafterOutput:
         """Losses of `training_depth` unrolled drafting steps: step 0 reads the base's `states`, step i the states
-        step i - 1 predicted, one position back.
+        step i - 1 predicted, one position back (with `parallel_drafts`, step 0's input at the anchor, i positions
+        back, plus the layer's mask input i - 1).
 
         Args:
             states (`torch.Tensor` of shape `(batch_size, target_length, hidden_size)`): the base's states.
@@ -228,8 +231,15 @@ class FeatureDrafterModel(AdapterModelMixin, BaseModelWrapper):
         memories: list[AttentionMemory] = []
         read = states
         step_losses = []
+        anchors = self.layer.inputs(states, embedded)  # (B, T, d): step 0's inputs
         for step in range(self.feature_config.training_depth):
-            predicted, fresh = self._unrolled_step(read, embedded, memories, encoder, step)
+            if step == 0:
+                inputs = anchors
+            elif self.layer.mask_inputs is not None:  # at p, the input of anchor p - step plus a mask offset
+                inputs = F.pad(anchors[:, :-step], (0, 0, step, 0)) + self.layer.mask_inputs[step - 1]
+            else:
+                inputs = self.layer.inputs(read, embedded)  # (B, T, d)
+            predicted, fresh = self._unrolled_step(inputs, memories, encoder, step)
             memories.append(fresh)
             step_valid = valid.clone()
             step_valid[:, :step] = False  # position p of step i needs a verified position p - i >= 0
@@ -242,30 +252,25 @@ class FeatureDrafterModel(AdapterModelMixin, BaseModelWrapper):
         )
 
     def _unrolled_step(
-        self,
-        read: torch.Tensor,
-        embedded: torch.Tensor,
-        earlier: list[AttentionMemory],
-        encoder: AttentionMemory,
-        step: int,
+        self, inputs: torch.Tensor, earlier: list[AttentionMemory], encoder: AttentionMemory, step: int
     ) -> tuple[torch.Tensor, AttentionMemory]:
         """One unrolled drafting step over every position at once.
 
         Args:
-            read (`torch.Tensor` of shape `(batch_size, target_length, hidden_size)`): the states this step reads.
+            inputs (`torch.Tensor` of shape `(batch_size, target_length, hidden_size)`): the layer's inputs (states
+                and tokens fused, or mask inputs).
             earlier (`list[AttentionMemory]`): the self-attention memories of the steps before it.
 
         Returns:
             The predicted states (shape `(batch_size, target_length, hidden_size)`; at p, the prediction of
             h_{p+1}), and this step's own self-attention memory.
         """
-        inputs = self.layer.inputs(read, embedded)  # (B, T, d)
         fresh, normed = self.layer.self_memory(inputs)
         memories = [*earlier, fresh]
         memory = AttentionMemory(
             torch.cat([m.keys for m in memories], dim=2),
             torch.cat([m.values for m in memories], dim=2),
-            unrolled_mask(read.shape[1], step, read.device),
+            unrolled_mask(inputs.shape[1], step, inputs.device),
         )
         return self.layer(inputs, normed, memory, encoder), fresh
 

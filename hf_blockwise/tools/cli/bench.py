@@ -156,6 +156,8 @@ def run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
         "model_config": args.model_config,
         "tiny_model_config": args.tiny_model_config,
         "nar_drafter": args.nar_drafter,
+        "feature_drafter": args.feature_drafter,
+        "sequential_heads": args.sequential_heads,
         "gad_block_size": args.gad_block_size,
         "gad_top_beta": args.gad_top_beta,
         "gad_tolerance": args.gad_tolerance,
@@ -196,10 +198,18 @@ def _report_header(args: argparse.Namespace, settings: dict) -> str:
     else:
         model = os.path.basename(os.path.normpath(args.model))
         sources = f"{settings['sentences']} " + ("utterances" if args.audio_folder else "sentences")
+    # drafters saved outside the model's folder: a report must say which one its rows measured
+    elsewhere = [
+        f"{name} {path}"
+        for name, path in (("feature drafter", args.feature_drafter), ("NAR drafter", args.nar_drafter),
+                           ("sequential heads", args.sequential_heads))
+        if path
+    ]  # fmt: skip
     return (
         f"# hf-blockwise bench: {model}, {sources}, {settings['max_new_tokens']} new tokens at most, "
         f"{settings['threads']} threads (CTranslate2: {settings['ct2_threads']}), {settings['device']}"
         + (", compiled modes with their first call compiled" if settings["compiled_prefill"] else "")
+        + "".join(f", {drafter}" for drafter in elsewhere)
     )
 
 

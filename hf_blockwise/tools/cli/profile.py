@@ -69,6 +69,9 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
         precision.add_argument(
             "--int8-drafter", action="store_true", help="the float32 base with its feature drafter's layer in int8"
         )
+        question.add_argument(
+            "--feature-drafter", default=None, help="feature drafter directory (default: <model>/feature-drafter)"
+        )
         question.add_argument("--compiled", action="store_true", help="verify through the compiled engine")
         question.add_argument(
             "--compiled-prefill",
@@ -103,7 +106,9 @@ def run_profile_command(parser: argparse.ArgumentParser, args: argparse.Namespac
         return 0
     if args.question == "acceptance":
         return _print_acceptance(parser, args, model, threads)
-    loaded = load_model(model, int8=args.int8)
+    if args.feature_drafter is not None and not os.path.isdir(args.feature_drafter):
+        parser.error(f"--feature-drafter {args.feature_drafter}: no such directory (a saved feature drafter)")
+    loaded = load_model(model, int8=args.int8, feature_drafter_path=args.feature_drafter)
     if args.int8_drafter:
         loaded = loaded.int8_drafter_copy()
     options = DrafterOptions(block_size=args.block_size, tree_nodes=args.tree_nodes, tree_branching=args.tree_branching)
