@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from conftest import build_model, load_recipe_module, word_tokenizer
 from safetensors.torch import load_file
+from transformers import AutoModelForSeq2SeqLM
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 
@@ -145,24 +146,25 @@ def test_self_distillation_and_feature_drafter_recipes_train_resume_and_ship(tmp
     assert shipped.keys() == continued.keys()
     assert all(torch.equal(shipped[name].float(), continued[name].float()) for name in shipped)
     # ... or turns it into a parallel drafter
-    parallel = [*command[:7], str(tmp_path / "parallel"), *command[8:], "--max-steps", "1", "--lr", "0"]
-    _assert_converts_to_a_parallel_drafter(parallel, ship_dir, tmp_path / "parallel", shipped)
+    _assert_converts_to_a_parallel_drafter(ship_dir, shipped)
 
 
-def _assert_converts_to_a_parallel_drafter(command: list[str], ship_dir, out_dir, shipped: dict) -> None:
-    """`--init-from` a sequential drafter with `--parallel-drafts`: the same layer (at lr 0, the shipped weights) and
-    new mask offsets."""
-    fourth = subprocess.run(
-        [*command, "--init-from", str(ship_dir), "--parallel-drafts", "true", "--block-size", "3"],
-        capture_output=True, text=True, timeout=300,
+def _assert_converts_to_a_parallel_drafter(ship_dir: Path, shipped: dict) -> None:
+    """`--init-from` a sequential drafter with `--parallel-drafts`: the shipped weights bit for bit, new mask offsets
+    and the run's block size and training depth (the recipe's conversion, in this process: the run around it is the
+    one tested above)."""
+    recipe = load_recipe_module("train_feature_drafter")
+    args = recipe.TrainFeatureDrafterArguments(
+        base=str(ship_dir.parent), distilled="unused", init_from=str(ship_dir), parallel_drafts=True, block_size=3,
+        training_depth=2,
     )  # fmt: skip
-    assert fourth.returncode == 0, fourth.stderr[-3000:]
-    converted = load_file(out_dir / "final" / "feature_drafter.safetensors")
+    model = recipe._initial_model(args, AutoModelForSeq2SeqLM.from_pretrained(ship_dir.parent, dtype=torch.float32))
+    converted = model.layer.state_dict()
     assert converted.keys() == shipped.keys() | {"mask_inputs"}
     assert all(torch.equal(shipped[name].float(), converted[name].float()) for name in shipped)
     assert converted["mask_inputs"].shape == (1, shipped["fuse.bias"].shape[0])  # one offset for k = 3
-    config = json.loads((out_dir / "final" / "feature_drafter_config.json").read_text())
-    assert config["parallel_drafts"] and config["block_size"] == 3
+    config = model.feature_config
+    assert config.parallel_drafts and config.block_size == 3 and config.training_depth == 2
 
 
 def test_synthetic_errors_are_learner_like_reproducible_and_leave_some_sentences_clean() -> None:
