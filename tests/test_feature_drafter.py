@@ -38,6 +38,15 @@ def greedy_labels(base, batch) -> tuple[torch.Tensor, torch.Tensor]:
     return greedy, labels
 
 
+def greedy_rows(base, batch) -> list[dict[str, list[int]]]:
+    """The batch's sources and the base's greedy outputs as a trainer's rows (padding dropped)."""
+    _, labels = greedy_labels(base, batch)
+    return [
+        {"input_ids": ids[mask.bool()].tolist(), "labels": row[row != -100].tolist()}
+        for ids, mask, row in zip(batch["input_ids"], batch["attention_mask"], labels, strict=True)
+    ]
+
+
 def fit(model: torch.nn.Module, parameters, loss_of, steps: int, lr: float = 3e-3) -> None:
     optimizer = torch.optim.AdamW(parameters, lr=lr)
     for _ in range(steps):
@@ -171,13 +180,7 @@ def test_config_and_drafter_arguments_are_validated(fitted_marian) -> None:
 
 def test_trainer_learns_checkpoints_the_drafter_only_and_resumes(tmp_path) -> None:
     base = build_model("marian")
-    batch = random_batch(base, 8, seed=2)
-    _, labels = greedy_labels(base, batch)
-    rows = [
-        {"input_ids": ids[mask.bool()].tolist(), "labels": row[row != -100].tolist()}
-        for ids, mask, row in zip(batch["input_ids"], batch["attention_mask"], labels, strict=True)
-    ]
-    dataset = Dataset.from_list(rows * 4)
+    dataset = Dataset.from_list(greedy_rows(base, random_batch(base, 8, seed=2)) * 4)
 
     def run(output_dir, max_steps: int, resume: str | None = None) -> tuple[FeatureDrafterModel, FeatureDrafterTrainer]:
         torch.manual_seed(0)
@@ -429,12 +432,7 @@ def test_the_trainer_can_train_a_parallel_drafters_mask_offsets_alone(tmp_path) 
     """`train_mask_inputs_only`: the layer (a sequential drafter's, kept) does not move, the offsets do; refused for
     a drafter without offsets."""
     base = build_model("marian")
-    batch = random_batch(base, 4, seed=2)
-    _, labels = greedy_labels(base, batch)
-    rows = [
-        {"input_ids": ids[mask.bool()].tolist(), "labels": row[row != -100].tolist()}
-        for ids, mask, row in zip(batch["input_ids"], batch["attention_mask"], labels, strict=True)
-    ]
+    rows = greedy_rows(base, random_batch(base, 4, seed=2))
     args = FeatureDrafterTrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=4, learning_rate=1e-2, max_steps=2, save_strategy="no",
         report_to=[], use_cpu=True, train_mask_inputs_only=True,
