@@ -51,7 +51,7 @@ _SOURCES = {
     "check_decoder": "hf_blockwise.generation.capability",
     "clear_verdicts": "hf_blockwise.generation.capability",
     "compare_to_greedy": "hf_blockwise.evaluation",
-    "first_divergence": "hf_blockwise.generation.diagnostics",
+    "greedy_divergences": "hf_blockwise.generation.diagnostics",
     "frequent_tokens": "hf_blockwise.modeling.shortlist",
     "generate_corpus": "hf_blockwise.corpus",
     "quantize_dynamic_int8": "hf_blockwise.quantization",
@@ -77,7 +77,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         accepted_lengths,
     )
     from hf_blockwise.generation.capability import UnsupportedModelError, check_decoder, clear_verdicts
-    from hf_blockwise.generation.diagnostics import Divergence, first_divergence
+    from hf_blockwise.generation.diagnostics import Divergence, greedy_divergences
     from hf_blockwise.generation.loop import blockwise_generate
     from hf_blockwise.generation.state import DecodingStats
     from hf_blockwise.modeling.config import BlockwiseHeadsConfig, FeatureDrafterConfig
@@ -146,8 +146,8 @@ __all__ = [
     "check_decoder",
     "clear_verdicts",
     "compare_to_greedy",
-    "first_divergence",
     "frequent_tokens",
     "generate_corpus",
+    "greedy_divergences",
     "quantize_dynamic_int8",
 ]

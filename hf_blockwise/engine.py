@@ -33,7 +33,7 @@ order the graph owns, and a k-token call computes bit for bit what k one-token c
 engine's greedy (`blockwise_compile=True`, no assistant) *is* the int8 model's greedy output, and every drafter
 reproduces it by construction. float32 `linear`s run on inductor's GEMM template (the batch-1 graph) or the
 libraries (a batch's), whose code (not ours) orders their sums (inductor's plain loops cost ~1.4x a call on the
-2-core EPYC), so a float32 engine is exact up to near-ties ([`first_divergence`]), unless
+2-core EPYC), so a float32 engine is exact up to near-ties ([`greedy_divergences`]), unless
 `CompileOptions(fixed_order_linears=True)` owns them too. A decode of b rows that shrinks to one row moves to the
 batch-1 graph; the generated kernels give a row the same bits in both.
 
@@ -72,7 +72,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -155,15 +155,23 @@ class DraftingInVerification:
 class CompileOptions:
     """How `blockwise_compile=` compiles the verification forward.
 
+    Every field is checked when the options are made: a `TypeError` names a field of another type (a bool field
+    takes `True` or `False` only: the string `"no"` would read as true), a `ValueError` a backend or mode that
+    `torch.compile` does not know, before anything compiles.
+
     Args:
-        backend (`str`, defaults to `"inductor"`): the `torch.compile` backend.
-        mode (`str`, *optional*): the `torch.compile` mode; `None` picks `"reduce-overhead"` (CUDA graphs) on CUDA
-            and the default on CPU.
+        backend (`str` or `Callable`, defaults to `"inductor"`): the `torch.compile` backend: a registered name
+            (`torch._dynamo.list_backends()`, e.g. `"inductor"`, `"eager"`) or a backend function.
+        mode (`str`, *optional*): the `torch.compile` mode (`"default"`, `"reduce-overhead"`, `"max-autotune"`,
+            ...); `None` picks `"reduce-overhead"` (CUDA graphs) on CUDA and the default on CPU.
         freezing (`bool`, defaults to `True`): inductor's freezing on CPU: weights become constants of the graph,
             packed for the GEMM template or oneDNN (the gain on CPU). The graph then holds its own copy of the weights.
         fixed_order_linears (`bool`, defaults to `False`): on CPU, float `linear`s computed by inductor's own loops
-            too ([`fixed_order.own_products`]), so that a float32 engine keeps the one-arithmetic contract (int8
-            linears are exact either way); slower: ~1.4x a float32 call on the 2-core EPYC.
+            too ([`fixed_order.own_products`]), so that a float32 k-token call computes what k one-token calls of
+            the same rows compute (int8 linears are exact either way). A decode of several rows that shrinks to one
+            moves to the batch-1 graph, whose loops inductor may vectorize otherwise: there the probe compares the
+            two and warns where they differ (a `OneArithmeticWarning`; float32 is then exact up to near-ties).
+            Slower: ~1.4x a float32 call on the 2-core EPYC.
         gemm_template (`bool`, defaults to `True`): on CPU with `freezing`, float `linear`s through inductor's C++
             GEMM template (`max_autotune` restricted to the `"CPP"` backend: weights packed at freezing, inductor's
             own micro-kernels) instead of oneDNN and MKL. A call of a few rows is bound by reading the weights;
@@ -193,7 +201,7 @@ class CompileOptions:
             compiling: off by default.
     """
 
-    backend: str = "inductor"
+    backend: str | Callable[..., Any] = "inductor"
     mode: str | None = None
     freezing: bool = True
     fixed_order_linears: bool = False
@@ -201,6 +209,23 @@ class CompileOptions:
     merge_int8_products: bool = True
     compiled_prefill: bool = False
     drafting_in_verification: bool = False
+
+    def __post_init__(self) -> None:
+        for option in fields(self):
+            value = getattr(self, option.name)
+            if option.type == "bool" and not isinstance(value, bool):
+                raise TypeError(_option_error(option.name, value, "a bool (True or False)"))
+        if not isinstance(self.backend, str) and not callable(self.backend):
+            raise TypeError(_option_error("backend", self.backend, "a str naming a torch.compile backend"))
+        if self.mode is not None and not isinstance(self.mode, str):
+            raise TypeError(_option_error("mode", self.mode, "a str naming a torch.compile mode, or None"))
+        # the default backend skips the registry: listing it imports every backend module (~0.5 s)
+        if isinstance(self.backend, str) and self.backend != "inductor":
+            known = torch._dynamo.list_backends(exclude_tags=())  # debug and experimental ones included
+            _check_known("backend", self.backend, known, shown=["eager", "aot_eager", *torch._dynamo.list_backends()])
+        if self.mode is not None:
+            modes = list(torch._inductor.list_mode_options())
+            _check_known("mode", self.mode, modes, shown=modes)
 
     @classmethod
     def coerce(cls, value: bool | CompileOptions | None) -> CompileOptions | None:
@@ -212,6 +237,17 @@ class CompileOptions:
         if isinstance(value, cls):
             return value
         raise TypeError(f"blockwise_compile= takes a bool or a CompileOptions, got {type(value).__name__}")
+
+
+def _option_error(name: str, value: Any, expected: str) -> str:
+    return f"CompileOptions({name}={value!r}): {name} takes {expected}, got {type(value).__name__}"
+
+
+def _check_known(name: str, value: str, known: Sequence[str], shown: Sequence[str]) -> None:
+    """A `ValueError` naming the usual choices (`shown`) when `value` is none of `known` (what `torch.compile` would
+    fail on once it compiles)."""
+    if value not in known:
+        raise ValueError(f"CompileOptions({name}={value!r}): torch.compile knows no such {name}; choose one of {shown}")
 
 
 def on_cpu_inductor(options: CompileOptions, device: torch.device) -> bool:
@@ -679,7 +715,7 @@ class CompiledDecoder:
                 warnings.warn(
                     f"The compiled engine's one-arithmetic probe failed on this machine: {difference}. Verification "
                     "calls do not compute bit for bit what one-token calls compute here, so outputs are exact up to "
-                    "near-ties (see hf_blockwise.first_divergence), not bitwise.",
+                    "near-ties (see hf_blockwise.greedy_divergences), not bitwise.",
                     OneArithmeticWarning,
                     stacklevel=4,
                 )

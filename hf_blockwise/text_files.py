@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 import os
+import zlib
 from typing import BinaryIO, TextIO
 
 
@@ -23,10 +24,17 @@ def read_text(path: str | os.PathLike) -> str:
 
     Raises:
         `ValueError` for bytes that are not UTF-8, naming the file, the line and the byte, and saying whether the
-        file looks binary or written in another encoding (with the `iconv` command that converts it).
+        file looks binary or written in another encoding (with the `iconv` command that converts it); and for a
+        `.gz` file that is cut short or no gzip at all, naming the file.
     """
-    with _open_bytes(path) as handle:
-        data = handle.read()
+    try:
+        with _open_bytes(path) as handle:
+            data = handle.read()
+    except (EOFError, gzip.BadGzipFile, zlib.error) as error:  # only gzip's reader raises these
+        raise ValueError(
+            f"{os.fspath(path)} is not a whole gzip file ({error}): it was cut short (an interrupted download or "
+            f"copy) or is no gzip at all; fetch it again, or check it with gzip -t {os.fspath(path)}"
+        ) from error
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from near_ties import NEAR_TIE_BUDGET, TALLY
 from transformers import PreTrainedModel
 from zoo import ARCHITECTURES as ALL_ARCHITECTURES
 from zoo import VOCAB_SIZE
@@ -139,3 +140,36 @@ def load_recipe_module(name: str) -> ModuleType:
     if str(TRAINING) not in sys.path:
         sys.path.insert(0, str(TRAINING))
     return importlib.import_module(name)
+
+
+# --- the near-tie tally (tests/near_ties.py): each xdist worker hands its count to the controller, which prints it
+# and fails the run past the budget
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker
+        workeroutput["near_ties"] = (TALLY.comparisons, TALLY.allowed)
+        return
+    if len(TALLY.allowed) > NEAR_TIE_BUDGET and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    comparisons, allowed = node.workeroutput.get("near_ties", (0, []))
+    TALLY.add(comparisons, allowed)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if getattr(config, "workeroutput", None) is not None:
+        return
+    terminalreporter.write_line(TALLY.summary())
+    for where, row, position, spacings in TALLY.allowed:
+        terminalreporter.write_line(f"  {where}: row {row}, position {position}, {spacings:.1f} float spacings")
+    if len(TALLY.allowed) > NEAR_TIE_BUDGET:
+        terminalreporter.write_line(
+            f"FAILED: {len(TALLY.allowed)} near-ties allowed, over the suite's budget of {NEAR_TIE_BUDGET} "
+            "(tests/near_ties.py)",
+            red=True,
+        )

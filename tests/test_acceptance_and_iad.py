@@ -103,7 +103,7 @@ def test_every_output_token_satisfies_an_approximate_rule(architecture: str, rul
             if token == pad and (sequences[row, 1:position] == eos).any():
                 break  # padding after the row finished
             assert rule(logits[row : row + 1, position - 1 : position], token.view(1, 1)).item()
-    assert output.decoding_stats.mean_accepted >= 1.0
+    assert output.decoding_stats.mean_accepted > 1.0  # drafts were kept: the rule was exercised, not bypassed
 
 
 def test_minimum_block_gains_that_many_tokens_per_step() -> None:

@@ -3,6 +3,7 @@ warning, or the output plain greedy search gives for it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -11,7 +12,7 @@ import warnings
 import huggingface_hub
 import pytest
 import torch
-from conftest import build_model, load_recipe_module, random_batch
+from conftest import OracleDrafter, build_model, load_recipe_module, random_batch
 from transformers import AutoModelForSeq2SeqLM, LogitsProcessor, LogitsProcessorList, MarianConfig, MarianMTModel
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 from zoo_media import build_media_model, media_batch, whisper_tokenizer
@@ -24,10 +25,12 @@ from hf_blockwise import (
     FeatureDrafterModel,
     InputCopyDrafter,
     MinimumBlockAcceptance,
+    NARDrafterModel,
     blockwise_generate,
     quantize_dynamic_int8,
 )
 from hf_blockwise.boundary import base_weights_fingerprint, from_hub
+from hf_blockwise.engine import CompileOptions
 from hf_blockwise.modeling.config import CONFIG_NAME, MAX_BLOCK_SIZE
 
 
@@ -359,3 +362,158 @@ def test_inputs_the_encoder_cannot_take_raise_what_greedy_raises(marian, shape) 
             marian.generate(input_ids=input_ids, max_new_tokens=5, **kwargs)
         errors.append((raised.type, str(raised.value)))
     assert errors[0] == errors[1]
+
+
+# --- 13. CompileOptions fields of the wrong type or an unknown name ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("freezing", "no", TypeError("freezing takes a bool (True or False), got str")),
+        ("compiled_prefill", 1, TypeError("compiled_prefill takes a bool (True or False), got int")),
+        ("backend", 5, TypeError("backend takes a str naming a torch.compile backend, got int")),
+        ("mode", 3, TypeError("mode takes a str naming a torch.compile mode, or None, got int")),
+        ("backend", "inductr", ValueError("torch.compile knows no such backend; choose one of [")),
+        ("mode", "fast", ValueError("torch.compile knows no such mode; choose one of [")),
+    ],
+)
+def test_compile_options_of_the_wrong_type_name_the_field_value_and_type(field, value, expected) -> None:
+    """Refused when made, not when `torch.compile` fails on them seconds later, or reads `"no"` as true."""
+    with pytest.raises(type(expected), match=re.escape(f"CompileOptions({field}={value!r}): {expected}")):
+        CompileOptions(**{field: value})
+    with pytest.raises(type(expected), match=re.escape(f"CompileOptions({field}={value!r})")):
+        dataclasses.replace(CompileOptions(), **{field: value})  # options changed later are checked again
+    backend = lambda graph, example_inputs: graph.forward  # noqa: E731  # a backend function, as torch.compile takes
+    assert CompileOptions(backend="eager", mode="default").backend == "eager" and CompileOptions(backend=backend)
+
+
+# --- 14. several samples per source ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch_size", [2, 3])
+def test_several_samples_per_source_are_drawn_as_transformers_orders_them(marian, batch_size) -> None:
+    """`num_return_sequences=3` with `do_sample=True`: transformers expands every input to 3 rows per source
+    (`repeat_interleave`: row `i * 3 + j` is source `i`'s), but not the source ids it hands the loop, which then
+    selected rows of the wrong source, or none (an `IndexError` once a row ended)."""
+    batch = random_batch(marian, batch_size, seed=1)
+    sample = {"do_sample": True, "num_return_sequences": 3, "max_new_tokens": 10, "custom_generate": blockwise_generate}
+    torch.manual_seed(0)
+    reference = marian.generate(**batch, do_sample=True, num_return_sequences=3, max_new_tokens=10)
+    torch.manual_seed(0)
+    plain = marian.generate(**batch, **sample)
+    assert plain.shape[0] == reference.shape[0] == 3 * batch_size  # transformers' own sampling: other tokens
+    for drafter in (OracleDrafter(plain, block_size=4, corruption=0.3), InputCopyDrafter(marian)):
+        torch.manual_seed(0)
+        assert torch.equal(marian.generate(**batch, **sample, assistant=drafter), plain)  # the same draws, drafted
+    # sampling from the top token only is greedy search: each row holds its own source's greedy output
+    greedy = marian.generate(**batch, max_new_tokens=10).repeat_interleave(3, dim=0)
+    assert torch.equal(marian.generate(**batch, **(sample | {"top_k": 1}), assistant=InputCopyDrafter(marian)), greedy)
+
+
+# --- 15. a base model given by its path -------------------------------------------------------------------------
+
+
+def test_a_base_model_given_by_its_path_is_loaded_and_anything_else_is_a_type_error(marian, tmp_path) -> None:
+    """`from_pretrained(path, base_model="some/dir")` (`verifier=` for the NAR drafter) loads that base, as the one
+    the config records would be (it raised an `AttributeError` on the string)."""
+    base_dir = tmp_path / "base"
+    marian.save_pretrained(base_dir)
+    BlockwiseHeadsModel(marian).save_pretrained(tmp_path / "heads", base_model_name_or_path=None)
+    FeatureDrafterModel(marian).save_pretrained(tmp_path / "feature", base_model_name_or_path=None)
+    NARDrafterModel.from_verifier(marian, mask_token_id=3, block_size=4).save_pretrained(tmp_path / "nar")
+    batch = random_batch(marian, 2, seed=1)
+    greedy = marian.generate(**batch, max_new_tokens=8)
+    for model_class, name in ((BlockwiseHeadsModel, "heads"), (FeatureDrafterModel, "feature")):
+        for given in (str(base_dir), base_dir):
+            loaded = no_warnings(lambda: model_class.from_pretrained(tmp_path / name, base_model=given))  # noqa: B023
+            assert loaded.base_model is not marian and torch.equal(loaded.generate(**batch, max_new_tokens=8), greedy)
+        with pytest.raises(TypeError, match=r"base_model= takes a loaded model .* or its directory or hub id as a str, "
+                           "got int"):  # fmt: skip
+            model_class.from_pretrained(tmp_path / name, base_model=42)
+        with pytest.raises(ValueError, match=r"base_model= '\./no/such/base': no such directory"):
+            model_class.from_pretrained(tmp_path / name, base_model="./no/such/base")
+    nar = NARDrafterModel.from_pretrained(tmp_path / "nar", verifier=str(base_dir))
+    assert isinstance(nar, NARDrafterModel)
+    with pytest.raises(TypeError, match="verifier= takes a loaded model"):
+        NARDrafterModel.from_pretrained(tmp_path / "nar", verifier=3.0)
+
+
+# --- 16. inputs the encoder cannot take, through the wrappers' generate and the loop ----------------------------
+
+
+def _with(batch: dict, **changes) -> dict:
+    return {**batch, **changes}
+
+
+# name: (the generate inputs made from a batch of 2 rows of 12 tokens, the error, its message)
+BAD_INPUTS = {
+    "a mask of another length": (
+        lambda batch: _with(batch, attention_mask=batch["attention_mask"][:, :5]),
+        ValueError, r"attention_mask has shape \(2, 5\), but the encoder inputs have \(2, 12\) .*tokenizer\(texts",
+    ),
+    "a mask of one row": (  # broadcast over both rows by the encoder: row 1 masked by row 0's padding
+        lambda batch: _with(batch, attention_mask=batch["attention_mask"][:1]),
+        ValueError, r"attention_mask has shape \(1, 12\), but the encoder inputs have \(2, 12\)",
+    ),
+    "inputs on the meta device": (
+        lambda batch: {name: tensor.to("meta") for name, tensor in batch.items()},
+        ValueError, r"input_ids is on the meta device: .*\.to\(model\.device\)",
+    ),
+    "no rows": (lambda batch: {"input_ids": batch["input_ids"][:0]}, ValueError, r"empty batch \(batch size 0\)"),
+    "no tokens": (
+        lambda batch: {"input_ids": batch["input_ids"][:, :0]},
+        ValueError, r"input_ids has no tokens \(shape \(2, 0\)\): every source needs at least one",
+    ),
+    "an id past the vocabulary": (
+        lambda batch: _with(batch, input_ids=batch["input_ids"].index_put((torch.tensor(1), torch.tensor(3)),
+                                                                          torch.tensor(70))),
+        ValueError, r"input_ids holds the id 70 at \(1, 3\), .* embeds 64 tokens \(ids 0 to 63\): tokenize with",
+    ),
+    "a negative id": (
+        lambda batch: _with(batch, input_ids=batch["input_ids"] - 3),
+        ValueError, r"input_ids holds the id -\d+ at \(\d, \d+\), .* embeds 64 tokens",
+    ),
+    "float ids": (
+        lambda batch: _with(batch, input_ids=batch["input_ids"].float()),
+        TypeError, r"input_ids holds torch.float32 values, but token ids are integers: .*input_ids\.long\(\)",
+    ),
+    "a source past the positions": (
+        lambda batch: {"input_ids": batch["input_ids"].repeat(1, 20)},
+        ValueError, r"the input is 240 tokens long, but the encoder of .* has 128 positions; truncate it",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_inputs_the_encoder_cannot_take_are_refused_by_the_wrappers_naming_the_argument(marian, heads, case) -> None:
+    """The wrappers' `generate` checks its inputs before the encoder runs. Through `custom_generate=` transformers
+    runs the encoder before the loop, which sees only what got past it (a mask of another shape, below); the rest
+    raise transformers' own greedy error (`test_inputs_the_encoder_cannot_take_raise_what_greedy_raises`)."""
+    inputs, error, message = BAD_INPUTS[case]
+    batch = inputs(random_batch(marian, 2, seed=1))
+    for model in (heads, FeatureDrafterModel(marian)):
+        with pytest.raises(error, match=message):
+            model.generate(**batch, max_new_tokens=5)
+    if case.startswith("a mask"):
+        with pytest.raises(error, match=message):
+            marian.generate(**batch, max_new_tokens=5, custom_generate=blockwise_generate)
+
+
+def test_drafters_of_another_dtype_than_the_base_are_refused_naming_both() -> None:
+    """A base cast alone (`heads_model.base_model.to(torch.bfloat16)`) leaves the drafter's weights in float32: its
+    drafts failed in a matrix product ("mat1 and mat2 must have the same dtype")."""
+    batch = random_batch(build_model("marian"), 2, seed=1)
+    for model_class, name in ((BlockwiseHeadsModel, "HeadsDrafter"), (FeatureDrafterModel, "FeatureDrafter")):
+        model = model_class(build_model("marian"))
+        model.base_model.to(torch.bfloat16)
+        message = rf"This {name}'s weights are torch.float32, but generate runs on .* in torch.bfloat16: .*model\.to"
+        with pytest.raises(ValueError, match=message):
+            model.generate(**batch, max_new_tokens=5)
+        with pytest.raises(ValueError, match=message):
+            model.base_model.generate(
+                **batch, max_new_tokens=5, custom_generate=blockwise_generate, assistant=model.drafter()
+            )
+        model.to(torch.bfloat16)  # cast as a whole: greedy's output
+        greedy = model.base_model.generate(**batch, max_new_tokens=5)
+        assert torch.equal(model.generate(**batch, max_new_tokens=5), greedy)

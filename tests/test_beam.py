@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ARCHITECTURES, VOCAB_SIZE, build_model, random_batch
+from near_ties import count_beam_ties
 
 from hf_blockwise import BlockwiseHeadsConfig, BlockwiseHeadsModel, blockwise_generate
 from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts
@@ -112,12 +113,19 @@ def assert_same_beams(expected, actual, returned: int, tolerance: float = 1e-3) 
     that rounding may come back in either order (the final sort meets a near-tie)."""
     torch.testing.assert_close(actual.sequences_scores, expected.sequences_scores, rtol=tolerance, atol=tolerance)
     differing = (expected.sequences != actual.sequences).any(dim=1).nonzero().flatten().tolist()
+    for first in sorted({row - row % returned for row in differing}):  # an input whose group came back reordered
+        group = range(first, first + returned)
+        assert sorted(actual.sequences[row].tolist() for row in group) == sorted(
+            expected.sequences[row].tolist() for row in group
+        ), f"rows {first}-{first + returned - 1}: not a permutation of beam search's group"
+    swaps = []
     for row in differing:  # a sequence of the same input with a tied score took its place
         group = range(row - row % returned, row - row % returned + returned)
-        swapped = [other for other in group if torch.equal(actual.sequences[row], expected.sequences[other])]
-        assert swapped, f"row {row}: a sequence beam search did not return"
-        gap = float((expected.sequences_scores[row] - expected.sequences_scores[swapped[0]]).abs())
-        assert gap <= tolerance, f"row {row}: swapped with row {swapped[0]} at a score gap of {gap}"
+        (swapped,) = [other for other in group if torch.equal(actual.sequences[row], expected.sequences[other])][:1]
+        gap = float((expected.sequences_scores[row] - expected.sequences_scores[swapped]).abs())
+        assert gap <= tolerance, f"row {row}: swapped with row {swapped} at a score gap of {gap}"
+        swaps.append((row, gap))
+    count_beam_ties(expected.sequences_scores, swaps)
     same = [row for row in range(expected.sequences.shape[0]) if row not in differing]
     assert torch.equal(expected.beam_indices[same], actual.beam_indices[same])
 

@@ -4,6 +4,7 @@ that would be ignored, overwritten or fail deep inside (each a usage error namin
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
@@ -294,6 +295,33 @@ def test_text_that_is_not_utf8_is_named_by_file_line_and_byte(tmp_path, model_di
     status, _, err = run_cli(capsys, "bench", "--model", str(model_dir), "--source-file", str(latin1),
                              "--modes", "greedy", "--out", str(tmp_path / "bench"))  # fmt: skip
     assert status == 1 and f"{latin1}, line 2, byte 7: 0xe9 is not UTF-8" in err and "Traceback" not in err
+
+
+def test_inputs_and_outputs_that_cannot_be_read_or_written_name_the_path(tmp_path, model_dir, capsys) -> None:
+    """A directory or a cut-short `.gz` as `--input`, an output where no file can be made (`/proc`: root may write
+    there by its permissions), and a source too long for the model, named by its line in the input file (1-based,
+    not its index in a chunk)."""
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    compressed = gzip.compress("".join(f"{line}\n" for line in random_sources(300, seed=1)).encode())
+    (tmp_path / "cut.txt.gz").write_bytes(compressed[: len(compressed) // 2])
+    (tmp_path / "plain.txt.gz").write_text("w5 w6\n")  # named .gz, but no gzip
+    for source, expected in (
+        (folder, f"--input {folder} is a directory, but no dataset saved with save_to_disk"),
+        (tmp_path / "cut.txt.gz", f"{tmp_path / 'cut.txt.gz'} is not a whole gzip file (Compressed file ended"),
+        (tmp_path / "plain.txt.gz", f"{tmp_path / 'plain.txt.gz'} is not a whole gzip file (Not a gzipped file"),
+    ):
+        status, _, err = run_cli(capsys, *generate_arguments(model_dir, source, tmp_path / "o.txt"))
+        assert status == 1 and expected in err and "Traceback" not in err, err
+    source = tmp_path / "in.txt"
+    source.write_text("w5 w6\nw7\n" + " ".join(["w8"] * 5000) + "\n")  # line 3: 5,001 tokens for 128 positions
+    status, _, err = run_cli(capsys, *generate_arguments(model_dir, source, tmp_path / "o.txt"), "--chunk-size", "2")
+    assert status == 1 and f"line 3 of {source} (14999 characters, starting 'w8 w8" in err, err
+    assert "is too long: the source has 5001 tokens; the model has positions for 128" in err
+    assert "--on-long skip" in err
+    if os.path.isdir("/proc/self"):
+        status, _, err = run_cli(capsys, *generate_arguments(model_dir, source, Path("/proc/hf-blockwise-out.txt")))
+        assert status == 2 and "/proc/hf-blockwise-out.txt: no file can be created in /proc" in err, err
 
 
 def test_a_read_only_output_directory_is_a_usage_error(tmp_path, model_dir, capsys) -> None:

@@ -23,7 +23,7 @@ from hf_blockwise import BlockwiseHeadsModel, FeatureDrafterConfig, FeatureDraft
 from hf_blockwise import boundary as hf
 from hf_blockwise.corpus import generate_corpus, plan_batches, read_sources
 from hf_blockwise.corpus.job import CorpusJob, run_job
-from hf_blockwise.corpus.output import CorpusRepairWarning, CorpusSettings, progress_path
+from hf_blockwise.corpus.output import CorpusRepairWarning, CorpusSettings, lock_path, progress_path
 from hf_blockwise.corpus.planning import chunks_of_shard
 from hf_blockwise.loading import load_model
 from hf_blockwise.tools.cli import main
@@ -274,6 +274,43 @@ def test_two_accelerate_processes_write_what_one_process_writes(tmp_path, model_
     job = CorpusJob(None, None, [], settings, {}, tmp_path / "two.txt", tmp_path / "two.txt.shard000-of-002")
     with pytest.raises(ValueError, match=r"two.txt no longer holds what was written, from the chunk at line 49 on"):
         run_job(job)
+
+
+# holds the lock of the output given as argv[1] as a run does (`run_job`), until it is killed
+HOLD_OUTPUT_LOCK = """
+import sys, time
+from pathlib import Path
+from hf_blockwise.corpus.output import locked_output
+with locked_output(Path(sys.argv[1])):
+    print("locked", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_second_run_on_an_output_being_written_is_refused_naming_the_first(tmp_path, model_dir) -> None:
+    """Two runs writing one output at once would interleave their appends and progress files: the second is refused
+    before it writes anything, naming the first's pid; a run killed leaves its lock file but no lock (flock)."""
+    output = tmp_path / "out.txt"
+    environment = {**os.environ, "PYTHONPATH": str(REPO)}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_OUTPUT_LOCK, str(output)], env=environment, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        arguments = {"max_new_tokens": MAX_NEW_TOKENS, "progress": False}
+        pattern = rf"out.txt is being written by another run \(pid {holder.pid}, .*\): wait for it to finish"
+        with pytest.raises(ValueError, match=pattern):
+            generate_corpus(str(model_dir), ["w5 w6", "w7"], output, **arguments)
+        assert not output.exists() and not progress_path(output).exists()  # refused before writing anything
+        with pytest.raises(SystemExit, match=rf"hf-blockwise generate: .*out.txt is being written .*pid {holder.pid}"):
+            main(["generate", "--model", str(model_dir), "--input", str(REPO / "README.md"), "--output", str(output)])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert lock_path(output).read_text() == f"{holder.pid}\n"  # left by the killed run, its lock gone with it
+    generate_corpus(str(model_dir), ["w5 w6", "w7"], output, **arguments)
+    assert len(output.read_text().splitlines()) == 2
+    assert not lock_path(output).exists()  # removed at the end of the run
 
 
 def _damages(n: int) -> dict[str, Any]:

@@ -17,8 +17,9 @@ from collections.abc import Callable
 import pytest
 import torch
 from conftest import ARCHITECTURES, OracleDrafter, build_model, random_batch
+from near_ties import assert_greedy_up_to_near_ties
 
-from hf_blockwise import blockwise_generate, first_divergence
+from hf_blockwise import blockwise_generate
 from hf_blockwise import engine as engine_module
 from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts, NoDrafter
 from hf_blockwise.drafters.feature import FeatureDrafter
@@ -28,9 +29,6 @@ from hf_blockwise.modeling.config import FeatureDrafterConfig
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
 from hf_blockwise.snapshot import SAMPLE_STEP, ModuleState, TensorSnapshot
 
-# a logit gap below this is a floating-point near-tie between eager and compiled kernels (fp32)
-NEAR_TIE = 1e-3
-
 
 @pytest.fixture(scope="module")
 def compiled_models() -> dict[str, torch.nn.Module]:
@@ -39,16 +37,6 @@ def compiled_models() -> dict[str, torch.nn.Module]:
 
 def _generate(model, batch, **kwargs) -> torch.Tensor:
     return model.generate(**batch, custom_generate=blockwise_generate, **{"max_new_tokens": 20, **kwargs})
-
-
-def _assert_equal_or_near_tie(model, batch, reference: torch.Tensor, candidate: torch.Tensor) -> None:
-    """Every row equal, or first differing where eager's top two logits are within `NEAR_TIE`."""
-    divergences = first_divergence(
-        model, batch["input_ids"], reference, candidate, attention_mask=batch["attention_mask"],
-        pad_token_id=model.config.pad_token_id,
-    )  # fmt: skip
-    for divergence in divergences:
-        assert divergence.top2_gap < NEAR_TIE, divergence
 
 
 # one of each kind of decoder the engine meets: learned positions (BART), relative attention bias (T5), sinusoidal
@@ -64,7 +52,7 @@ def test_compiled_drafting_is_exact_against_the_engines_greedy(compiled_models, 
         batch = random_batch(model, batch_size, seed=seed)
         eager = model.generate(**batch, max_new_tokens=20)
         greedy = _generate(model, batch, blockwise_compile=True)
-        _assert_equal_or_near_tie(model, batch, eager, greedy)
+        assert_greedy_up_to_near_ties(model, batch, eager, greedy, max_new_tokens=20)
         for corruption in (0.0, 0.3):
             drafter = OracleDrafter(greedy, block_size=4, corruption=corruption, seed=seed)
             drafted = _generate(model, batch, assistant=drafter, blockwise_compile=True)
@@ -116,7 +104,7 @@ def test_changed_weights_are_recompiled_not_served_stale_and_other_models_keep_t
     with pytest.warns(UserWarning, match="changed since it was compiled"):
         after = _generate(model, batch, blockwise_compile=True)
     assert compiled_decoder(model, CompileOptions()) is not first
-    _assert_equal_or_near_tie(model, batch, model.generate(**batch, max_new_tokens=20), after)
+    assert_greedy_up_to_near_ties(model, batch, model.generate(**batch, max_new_tokens=20), after, max_new_tokens=20)
     # no process-wide reset: the other model's engine and its graphs are still there, served without recompiling
     assert engine_of(other) is other_engine
     with torch.compiler.set_stance("fail_on_recompile"):
@@ -183,7 +171,7 @@ def _recompiled_after(change: Callable[[torch.nn.Module], None], warning: str) -
     assert compiled_decoder(model, options) is not engine
     eager = model.generate(**batch, max_new_tokens=20)
     assert not torch.equal(eager, before)  # the output changed: a stale graph would be seen
-    _assert_equal_or_near_tie(model, batch, eager, after)
+    assert_greedy_up_to_near_ties(model, batch, eager, after, max_new_tokens=20)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert torch.equal(_generate(model, batch, blockwise_compile=options), after)
@@ -270,7 +258,7 @@ def test_a_new_engine_of_the_same_model_compiles_its_own_graphs() -> None:
     after = _generate(model, batch, blockwise_compile=True)
     assert engine_of(model) is not first
     assert not torch.equal(after, before)
-    _assert_equal_or_near_tie(model, batch, model.generate(**batch, max_new_tokens=20), after)
+    assert_greedy_up_to_near_ties(model, batch, model.generate(**batch, max_new_tokens=20), after, max_new_tokens=20)
     # the registry does not keep a model alive: dropped by the caller, it goes, engine and graphs with it
     assert engine_of(model) is not None
     gone = weakref.ref(model)
@@ -411,7 +399,7 @@ def test_state_reading_drafter_gets_states_from_the_compiled_graph(compiled_mode
         drafted = _generate(base, batch, assistant=drafter_model.drafter(), blockwise_compile=True)
     assert torch.equal(drafted, greedy)
     eager_drafted = _generate(base, batch, assistant=drafter_model.drafter())
-    _assert_equal_or_near_tie(base, batch, eager_drafted, drafted)
+    assert_greedy_up_to_near_ties(base, batch, eager_drafted, drafted, max_new_tokens=20)
 
 
 class _TwinFeatureDrafter(Drafter):

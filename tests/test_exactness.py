@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import pytest
 import torch
 from conftest import ARCHITECTURES, OracleDrafter, random_batch
+from near_ties import assert_greedy_up_to_near_ties
 
 from hf_blockwise import (
     BlockwiseHeadsConfig,
@@ -22,7 +24,6 @@ from hf_blockwise import (
     MinimumBlockAcceptance,
     TopKAcceptance,
     blockwise_generate,
-    first_divergence,
 )
 from hf_blockwise.modeling.nar_model import NARDrafterModel
 
@@ -59,6 +60,9 @@ GENERATE_ARGUMENTS = {
 }
 
 DRAFTERS = ["heads", "token_heads", "zero_heads", "noisy_oracle", "input_copy", "nar"]
+# a drafter that proposes greedy's tokens 70% of the time must have drafts kept (a loop that rejected every draft
+# would pass the comparisons); the copied NAR layer is right on some architectures only
+KEPT_DRAFTERS = ("noisy_oracle",)
 
 # Every acceptance rule with the parameters that make it exact (k=1, ε=0, β=1, τ=0, minimum block 1).
 LOSSLESS_RULES = {
@@ -81,24 +85,9 @@ def heads_model(base, block_size: int, seed: int, zero: bool, condition_on_token
     return model
 
 
-def assert_same_as_greedy(base, batch, greedy: torch.Tensor, blockwise: torch.Tensor) -> None:
-    """Equal, or different only where the base model's top two logits are a floating-point near-tie."""
-    if torch.equal(greedy, blockwise):
-        return
-    divergences = first_divergence(
-        base,
-        batch["input_ids"],
-        greedy,
-        blockwise,
-        batch["attention_mask"],
-        base.generation_config.pad_token_id,
-    )
-    assert divergences, f"outputs differ only in shape: {greedy.shape} vs {blockwise.shape}"
-    not_ties = [d for d in divergences if not d.is_near_tie()]
-    assert not not_ties, f"blockwise output differs from greedy beyond a near-tie: {not_ties}"
-
-
-def blockwise_output(base, batch, greedy, drafter_name: str, block_size: int, seed: int, rule, kwargs) -> torch.Tensor:
+def blockwise_output(base, batch, greedy, drafter_name: str, block_size: int, seed: int, rule, kwargs) -> Any:
+    """The blockwise decoding's `generate` output (`return_dict_in_generate=True`: sequences and decoding stats)."""
+    kwargs = {**kwargs, "return_dict_in_generate": True}
     if drafter_name in ("heads", "token_heads", "zero_heads"):
         model = heads_model(
             base, block_size, seed, zero=drafter_name == "zero_heads", condition_on_token=drafter_name == "token_heads"
@@ -114,17 +103,26 @@ def blockwise_output(base, batch, greedy, drafter_name: str, block_size: int, se
     return base.generate(**batch, custom_generate=blockwise_generate, assistant=drafter, acceptance=rule, **kwargs)
 
 
+def kept_drafts(output: Any) -> int:
+    """Tokens gained beyond one per row and call: the drafts the loop kept."""
+    return int((output.decoding_stats.accepted - 1).clamp(min=0).sum())
+
+
 @pytest.mark.parametrize("arguments", sorted(GENERATE_ARGUMENTS))
 @pytest.mark.parametrize("drafter_name", DRAFTERS)
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 def test_blockwise_equals_greedy(tiny_models, greedy_of, architecture: str, drafter_name: str, arguments: str) -> None:
     base = tiny_models[architecture]
     kwargs = GENERATE_ARGUMENTS[arguments](base)
+    drafted = 0
     for batch_size, seed, block_size in [(1, 0, 3), (3, 1, 4), (8, 2, 6)]:
         batch = random_batch(base, batch_size, seed)
         greedy = greedy_of(architecture, batch_size, seed, **kwargs)
         output = blockwise_output(base, batch, greedy, drafter_name, block_size, seed, ExactAcceptance(), kwargs)
-        assert_same_as_greedy(base, batch, greedy, output)
+        assert_greedy_up_to_near_ties(base, batch, greedy, output.sequences, **kwargs)
+        drafted += kept_drafts(output)
+    if drafter_name in KEPT_DRAFTERS:
+        assert drafted > 0, f"{drafter_name} had no draft kept"
 
 
 @pytest.mark.parametrize("rule_name", sorted(LOSSLESS_RULES))
@@ -137,11 +135,15 @@ def test_lossless_settings_of_every_rule_equal_greedy(
     rule = LOSSLESS_RULES[rule_name](base.config.vocab_size)
     assert rule.lossless
     kwargs = {"max_new_tokens": 20, "repetition_penalty": 1.3}
+    drafted = 0
     for batch_size, seed, block_size in [(1, 3, 4), (5, 4, 5)]:
         batch = random_batch(base, batch_size, seed)
         greedy = greedy_of(architecture, batch_size, seed, **kwargs)
         output = blockwise_output(base, batch, greedy, drafter_name, block_size, seed, rule, kwargs)
-        assert_same_as_greedy(base, batch, greedy, output)
+        assert_greedy_up_to_near_ties(base, batch, greedy, output.sequences, **kwargs)
+        drafted += kept_drafts(output)
+    if drafter_name in KEPT_DRAFTERS:  # the rule saw drafts it kept, not a loop that rejects every one
+        assert drafted > 0, f"{drafter_name} had no draft kept under {rule_name}"
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
@@ -150,7 +152,7 @@ def test_no_drafter_is_greedy(tiny_models, architecture: str) -> None:
     batch = random_batch(base, 4, seed=7)
     greedy = base.generate(**batch, max_new_tokens=20)
     output = base.generate(**batch, max_new_tokens=20, custom_generate=blockwise_generate, assistant=None)
-    assert_same_as_greedy(base, batch, greedy, output)
+    assert torch.equal(output, greedy)  # one-token calls: transformers' own arithmetic, bit for bit
     heads = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=4))
     assert torch.equal(heads.generate(**batch, max_new_tokens=20, assistant=None), greedy)
 

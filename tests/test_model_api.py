@@ -21,8 +21,8 @@ from hf_blockwise import (
     DecodingStats,
     DraftRequest,
     blockwise_generate,
-    first_divergence,
     frequent_tokens,
+    greedy_divergences,
 )
 from hf_blockwise import boundary as hf
 from hf_blockwise.boundary import output_projection_logits
@@ -304,19 +304,34 @@ def test_bad_calls_are_refused(tiny_models) -> None:
         BlockwiseHeadsModel(decoder_only)
 
 
-def test_first_divergence_reports_position_and_gap(tiny_models) -> None:
+def test_greedy_divergences_report_every_departure_with_rank_and_gap(tiny_models) -> None:
+    """A candidate with two last tokens altered: both departures found, each with its rank in
+    greedy's processed scores (a repetition penalty applied) and the gap in float spacings; greedy's own output has
+    none; a token swapped for greedy's second best at a gap forced to zero is a near-tie, one swapped for a worse
+    token is not."""
     base = tiny_models["t5"]
     batch = random_batch(base, 3, seed=8)
-    greedy = base.generate(**batch, max_new_tokens=10, min_new_tokens=10)
-    assert first_divergence(base, batch["input_ids"], greedy, greedy.clone(), batch["attention_mask"]) == []
+    kwargs = {"max_new_tokens": 10, "min_new_tokens": 10, "repetition_penalty": 1.3}
+    greedy = base.generate(**batch, **kwargs)
+    assert greedy_divergences(base, batch, greedy, **kwargs) == []
+    scores = base.generate(**batch, **kwargs, output_scores=True, return_dict_in_generate=True).scores
     altered = greedy.clone()
-    altered[1, 6] = (altered[1, 6] + 1) % base.config.vocab_size
-    (divergence,) = first_divergence(base, batch["input_ids"], greedy, altered, batch["attention_mask"])
-    assert (divergence.row, divergence.position) == (1, 6)
-    assert divergence.reference_token == int(greedy[1, 6]) and divergence.candidate_token == int(altered[1, 6])
-    assert divergence.top2_gap > 0 and divergence.token_gap > 0
-    assert not divergence.is_near_tie()  # a real disagreement, not floating-point noise
-    assert divergence.is_near_tie(tolerance=divergence.token_gap + divergence.top2_gap)
+    second = int(scores[9][1].topk(2).indices[1])  # greedy's second best at the last position (10) of row 1
+    altered[1, 10] = second
+    altered[2, 10] = int(scores[9][2].topk(5).indices[4])  # fifth best at the last position of row 2
+    first, later = greedy_divergences(base, batch, altered, **kwargs)
+    assert (first.row, first.position, first.candidate_token, first.candidate_rank) == (1, 10, second, 1)
+    assert first.greedy_token == int(greedy[1, 10]) and first.gap > 0 and first.spacing > 0
+    assert first.gap_in_spacings == first.gap / first.spacing
+    assert not first.is_near_tie()  # a real disagreement, not floating-point noise
+    assert first.is_near_tie(max_spacings=first.gap_in_spacings)
+    assert (later.row, later.position, later.candidate_rank) == (2, 10, 4)
+    altered[0, 4] = int(scores[3][0].topk(2).indices[1])  # mid-row: later tokens are off greedy's path too
+    departures = [(d.row, d.position) for d in greedy_divergences(base, batch, altered, **kwargs)]
+    assert departures[0] == (0, 4) and all(position >= 4 for row, position in departures if row == 0)
+    assert not later.is_near_tie(max_spacings=float("inf"))  # not greedy's second: never a tie
+    tied = dataclasses.replace(first, gap=0.0)
+    assert tied.is_near_tie()
 
 
 def test_training_step_moves_heads_and_leaves_frozen_base(tiny_models) -> None:

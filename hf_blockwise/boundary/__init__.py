@@ -16,16 +16,16 @@ Modules, each importing only those listed before it (and none of them this packa
   the ancestry mask, the capability of a decoder to take one, and compacting the cache to the accepted path.
 - `models`: where a transformers seq2seq model keeps what the loop and the heads need: `BaseModelWrapper` and
   `unwrap_base` (and the checks of what wrappers and drafters are given: `check_wrap_arguments`,
-  `check_materialized`, `check_same_projection`), decoder config, layer count, FFN width, MoE capacity, encoder
-  width and input name, token embeddings and the shared-vocabulary check, the output projection (captured input,
-  selected columns, logit bias, shortlist rows), and `decoder_forward`.
+  `check_materialized`, `check_same_projection`, `check_same_dtype`), decoder config, layer count, FFN width, MoE
+  capacity, encoder width and input name, token embeddings and the shared-vocabulary check, the output projection
+  (captured input, selected columns, logit bias, shortlist rows), and `decoder_forward`.
 - `processors`: transformers' stopping criteria (`StopRules`) and logits processors, as a blockwise step uses them.
 - `probes`: the tiny probe batch (`probe_inputs`, random encoder states for speech and vision encoders) and
   `check_output_projection`.
 - `media`: speech and vision specifics: the encoder-output mask, the probe for decoders that read no frame mask
   (Whisper), and the Whisper segment options that blockwise decoding refuses.
 - `inputs`: position limits and the input checks that turn deep failures into clear errors.
-- `hub`: checkpoint files and local-path checks, an adapter's recorded base, `load_encoder_decoder`.
+- `hub`: checkpoint files and local-path checks, an adapter's recorded or given base, `load_encoder_decoder`.
 - `generate_call`: the `custom_generate` calling convention: `adapt_generate_call` (validation, `GenerateCall`),
   the decoder forward's kwargs and their row selection, the streamer lookup, `BlockwiseGenerateOutput`.
 - `trainer`: what the trainers take from transformers' `Trainer` (`TRAINING_ARGS_NAME`); not re-exported here,
@@ -81,6 +81,7 @@ from hf_blockwise.boundary.hub import (
     base_weights_fingerprint,
     check_local_path,
     from_hub,
+    given_base,
     has_file,
     load_encoder_decoder,
     resolve_file,
@@ -104,6 +105,7 @@ from hf_blockwise.boundary.models import (
     capture_output_projection_input,
     check_materialized,
     check_model_argument,
+    check_same_dtype,
     check_same_projection,
     check_shared_vocabulary,
     check_wrap_arguments,
@@ -125,6 +127,7 @@ from hf_blockwise.boundary.models import (
 )
 from hf_blockwise.boundary.probes import ProbeInputs, check_output_projection, probe_inputs
 from hf_blockwise.boundary.processors import (
+    ForcedPathRecorder,
     StopRules,
     apply_prefix_free_processors,
     check_row_local_processors,
@@ -152,6 +155,7 @@ __all__ = [
     "BeamSearchState",
     "BlockwiseBeamOutput",
     "BlockwiseGenerateOutput",
+    "ForcedPathRecorder",
     "GenerateCall",
     "ProbeInputs",
     "StopRules",
@@ -176,6 +180,7 @@ __all__ = [
     "check_no_assistant_model",
     "check_output_projection",
     "check_row_local_processors",
+    "check_same_dtype",
     "check_same_projection",
     "check_shared_vocabulary",
     "check_wrap_arguments",
@@ -200,6 +205,7 @@ __all__ = [
     "forward_kwargs",
     "from_hub",
     "generate_call_argument",
+    "given_base",
     "has_file",
     "initial_beam_search",
     "input_embeddings",

@@ -27,7 +27,7 @@ from transformers.utils import ModelOutput
 
 from hf_blockwise.boundary.beam import validate_beam_config
 from hf_blockwise.boundary.cache import check_cache_settings, loop_decoder_cache
-from hf_blockwise.boundary.inputs import check_decoder_length, warn_unmasked_padding
+from hf_blockwise.boundary.inputs import check_attention_mask, check_decoder_length, warn_unmasked_padding
 from hf_blockwise.boundary.media import encoder_output_mask, validate_segment_options
 from hf_blockwise.boundary.models import encoder_input_name
 from hf_blockwise.boundary.processors import StopRules, split_stopping_criteria
@@ -127,7 +127,8 @@ class GenerateCall:
         filler_token_id (`int`): what fills sequences and feeds after real tokens (the pad id, else 0).
         cache: an empty croppable `EncoderDecoderCache`.
         forward_kwargs (`dict`): what every decoder forward receives (encoder outputs, attention mask).
-        encoder_input_ids (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*).
+        encoder_input_ids (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*): each decoded row's
+            source ids ([`expanded_source`]).
         encoder_attention_mask (`torch.LongTensor` of shape `(batch_size, source_length)`, *optional*).
         streamer: the `streamer=` of the `generate` call, if any.
     """
@@ -176,7 +177,10 @@ def adapt_generate_call(
     pad = pad_token_tensor(generation_config)
     pad_token_id = None if pad is None else int(pad)
     text_encoder = encoder_input_name(model) == "input_ids"
-    if text_encoder and inputs_tensor is not None:
+    # a speech or vision encoder's inputs are not token ids that a drafter could copy
+    source = expanded_source(inputs_tensor, input_ids.shape[0]) if text_encoder else None
+    if source is not None:
+        check_attention_mask(source, model_kwargs.get("attention_mask"))  # a mask of one row is broadcast silently
         warn_unmasked_padding(
             inputs_tensor, model_kwargs.get("attention_mask"), pad_token_id, generation_config._eos_token_tensor
         )
@@ -187,13 +191,21 @@ def adapt_generate_call(
         filler_token_id=0 if pad_token_id is None else pad_token_id,
         cache=loop_decoder_cache(model_kwargs),
         forward_kwargs=forward_kwargs(model_kwargs),
-        # a speech or vision encoder's inputs are not token ids that a drafter could copy
-        encoder_input_ids=inputs_tensor if text_encoder else None,
+        encoder_input_ids=source,
         encoder_attention_mask=encoder_output_mask(
             model, encoder_hidden_states(model_kwargs), model_kwargs.get("attention_mask")
         ),
         streamer=streamer,
     )
+
+
+def expanded_source(inputs_tensor: torch.Tensor | None, num_rows: int) -> torch.Tensor | None:
+    """The source ids of each of the `num_rows` decoded rows. `generate` expands the decoder prompt and the model
+    kwargs (encoder output, attention mask) to `num_return_sequences` (or `num_beams`) rows per source with
+    `repeat_interleave`, but not `inputs_tensor`: row `i * n + j` is source `i`'s `j`-th."""
+    if inputs_tensor is None or inputs_tensor.shape[0] in (0, num_rows):
+        return inputs_tensor
+    return inputs_tensor.repeat_interleave(num_rows // inputs_tensor.shape[0], dim=0)
 
 
 # Arguments that `generate` leaves in `model_kwargs` and that a decoder forward must not receive again. `labels`: a

@@ -3,7 +3,8 @@
 A checkpoint's files ([`has_file`], [`resolve_file`]) and a clear error for local-looking paths that do not exist
 ([`check_local_path`]); where an adapter's (heads', drafter's) recorded base is, and the base it attaches to
 ([`base_location`], [`resolved_base_location`], [`warn_if_other_base`] by [`base_weights_fingerprint`],
-[`adapter_base`]); and the auto class that loads an encoder-decoder checkpoint ([`load_encoder_decoder`]).
+[`adapter_base`], [`given_base`]); and the auto class that loads an encoder-decoder checkpoint
+([`load_encoder_decoder`]).
 """
 
 from __future__ import annotations
@@ -225,10 +226,12 @@ def adapter_base(
 ) -> tuple[str | None, nn.Module]:
     """The base an adapter (heads, feature drafter) attaches to, and where its config says that base is.
 
-    With `base_model` given, that one, with a warning when the adapter was made for another base
-    ([`warn_if_other_base`], by `fingerprint` when the config recorded one); else the recorded base
-    ([`resolved_base_location`]) loaded with [`load_encoder_decoder`]`(location, **base_model_kwargs)`.
+    With `base_model` given, that one ([`given_base`]: a path or hub id is loaded with `base_model_kwargs`), with a
+    warning when the adapter was made for another base ([`warn_if_other_base`], by `fingerprint` when the config
+    recorded one); else the recorded base ([`resolved_base_location`]) loaded with
+    [`load_encoder_decoder`]`(location, **base_model_kwargs)`.
     """
+    base_model = given_base(base_model, "base_model=", base_model_kwargs)
     location = resolved_base_location(adapter_name_or_path, recorded, required=base_model is None)
     if base_model is not None:
         warn_if_other_base(location, unwrap_base(base_model), what, fingerprint)
@@ -240,6 +243,25 @@ def adapter_base(
         )
     check_local_path(location, "the recorded base model (pass base_model= to attach one)")
     return location, load_encoder_decoder(location, **base_model_kwargs)
+
+
+def given_base(model: Any, argument: str, kwargs: dict[str, Any]) -> nn.Module | None:
+    """The model passed as `argument` (`"base_model="`, `"verifier="`) of a `from_pretrained`: a loaded model as it
+    is, a local directory or hub id loaded with [`load_encoder_decoder`]`(model, **kwargs)`, `None` as `None`.
+
+    Raises:
+        `TypeError` for anything else, naming what to pass; `ValueError` for a path that is not there or a name the
+        Hub does not have ([`check_local_path`], [`from_hub`]).
+    """
+    if model is None or isinstance(model, nn.Module):
+        return model
+    if not isinstance(model, str | os.PathLike):
+        raise TypeError(
+            f"{argument} takes a loaded model (e.g. AutoModelForSeq2SeqLM.from_pretrained(name)) or its directory or "
+            f"hub id as a str, got {type(model).__name__}"
+        )
+    check_local_path(model, argument)
+    return from_hub(load_encoder_decoder, model, argument, **kwargs)
 
 
 def load_encoder_decoder(location: str | os.PathLike, **kwargs: Any) -> PreTrainedModel:

@@ -2,9 +2,11 @@
 
 Position limits read from the model's position tables ([`position_limit`], [`encoder_position_limit`],
 [`decoder_position_limit`]), checked against the inputs of the wrappers' `generate` ([`check_generate_inputs`],
-which also refuses an empty batch and speech features of the wrong width), against the loop's `max_length`
-([`check_decoder_length`]), against a block size ([`check_block_size_fits`]) and by the corpus job against each source;
-and the warning for padded input ids without an attention mask ([`warn_unmasked_padding`]).
+which also refuses inputs on the meta device, an empty batch or source, ids outside the vocabulary
+([`check_token_ids`]), a mask of another shape ([`check_attention_mask`], which the loop checks too) and speech
+features of the wrong width), against the loop's `max_length` ([`check_decoder_length`]), against a block size
+([`check_block_size_fits`]) and by the corpus job against each source; and the warning for padded input ids without
+an attention mask ([`warn_unmasked_padding`]).
 """
 
 from __future__ import annotations
@@ -15,7 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_blockwise.boundary.models import check_materialized, model_name, unwrap_base
+from hf_blockwise.boundary.models import (
+    check_materialized,
+    encoder_input_name,
+    input_embeddings,
+    model_name,
+    unwrap_base,
+)
 
 
 def position_limit(stack: nn.Module | None) -> int | None:
@@ -48,10 +56,12 @@ def _stack(model: nn.Module, getter: str) -> nn.Module | None:
 
 
 def check_generate_inputs(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-    """Clear errors for inputs `generate` would otherwise fail on deep inside the model: an empty batch (a reshape
-    error in the encoder), a source longer than the encoder's positions (an `IndexError`), speech features with
-    another number of mel bins than the model's ([`check_input_features`], a convolution's channel error) and
-    weights never loaded ([`check_materialized`]).
+    """Clear errors, naming the argument and the fix, for inputs `generate` would otherwise fail on deep inside the
+    model (or decode wrongly): inputs on the meta device, an empty batch or empty sources (a reshape error in the
+    encoder), token ids that are no ids of the model's vocabulary ([`check_token_ids`], an `IndexError`), an
+    `attention_mask` of another shape ([`check_attention_mask`]), a source longer than the encoder's positions (an
+    `IndexError`), speech features with another number of mel bins than the model's ([`check_input_features`], a
+    convolution's channel error) and weights never loaded ([`check_materialized`]).
 
     Args:
         model: the transformers seq2seq model whose `generate` is about to be called.
@@ -59,18 +69,73 @@ def check_generate_inputs(model: nn.Module, args: tuple, kwargs: dict[str, Any])
     """
     check_materialized(model)
     _check_streamed_beams(model, kwargs)
+    _check_not_meta({"inputs": args[0] if args else None, **kwargs})
     check_input_features(model, args[0] if args else kwargs.get("input_features"))
     inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs", kwargs.get("inputs_embeds")))
     if not isinstance(inputs, torch.Tensor):
         return
     if inputs.shape[0] == 0:
         raise ValueError("generate was called with an empty batch (batch size 0)")
+    reads_ids = encoder_input_name(model) == "input_ids" and inputs is not kwargs.get("inputs_embeds")
+    if reads_ids:
+        check_token_ids(model, inputs)
+        check_attention_mask(inputs, kwargs.get("attention_mask"))
+    if reads_ids and inputs.dim() == 2 and inputs.shape[1] == 0:
+        raise ValueError(
+            f"input_ids has no tokens (shape {tuple(inputs.shape)}): every source needs at least one, e.g. the EOS "
+            "token the tokenizer appends: generate(**tokenizer(texts, padding=True, return_tensors='pt'))"
+        )
     limit = encoder_position_limit(model)
     if limit is not None and inputs.dim() >= 2 and inputs.shape[1] > limit:
         raise ValueError(
             f"the input is {inputs.shape[1]} tokens long, but the encoder of {model_name(model)} has {limit} "
             f"positions; truncate it, e.g. tokenizer(..., truncation=True, max_length={limit})"
         )
+
+
+def _check_not_meta(inputs: dict[str, Any]) -> None:
+    """A `ValueError` naming the first input tensor on the meta device: it has a shape but no values to decode."""
+    name = next((name for name, value in inputs.items() if isinstance(value, torch.Tensor) and value.is_meta), None)
+    if name is not None:
+        raise ValueError(
+            f"{name} is on the meta device: it has a shape but no values to decode. Pass real tensors on the model's "
+            "device, e.g. tokenizer(texts, return_tensors='pt').to(model.device)"
+        )
+
+
+def check_token_ids(model: nn.Module, input_ids: torch.Tensor) -> None:
+    """A `TypeError` for `input_ids` that are not integers, and a `ValueError` naming the first id (and where it is)
+    that the encoder's embedding has no row for: negative, or past its vocabulary (ids of another tokenizer)."""
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise TypeError(
+            f"input_ids holds {input_ids.dtype} values, but token ids are integers: pass the ids the tokenizer "
+            "returns (return_tensors='pt' gives torch.long), or input_ids.long()"
+        )
+    embeddings = input_embeddings(unwrap_base(model).get_encoder())
+    if not isinstance(embeddings, nn.Embedding) or input_ids.numel() == 0:
+        return
+    vocab_size = embeddings.num_embeddings
+    bad = (input_ids < 0) | (input_ids >= vocab_size)
+    if bool(bad.any()):
+        where = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"input_ids holds the id {int(input_ids[tuple(where)])} at {tuple(where)}, but the encoder of "
+            f"{model_name(model)} embeds {vocab_size} tokens (ids 0 to {vocab_size - 1}): tokenize with this "
+            "model's own tokenizer (AutoTokenizer.from_pretrained of the same checkpoint)"
+        )
+
+
+def check_attention_mask(inputs: torch.Tensor, attention_mask: Any) -> None:
+    """A `ValueError` when the encoder's `attention_mask` has another shape than its `inputs` (`(batch_size,
+    source_length)`, the ids' or the embeddings' first two dimensions): the encoder would fail deep in attention, or
+    broadcast a mask of one row over every row, masking each source by another's padding."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape == inputs.shape[:2]:
+        return
+    raise ValueError(
+        f"attention_mask has shape {tuple(attention_mask.shape)}, but the encoder inputs have "
+        f"{tuple(inputs.shape[:2])} (batch size, source length): give one mask value per token, as the tokenizer "
+        "returns them together: generate(**tokenizer(texts, padding=True, return_tensors='pt'))"
+    )
 
 
 def _check_streamed_beams(model: nn.Module, kwargs: dict[str, Any]) -> None:

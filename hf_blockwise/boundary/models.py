@@ -134,6 +134,24 @@ def check_same_projection(drafter_base: nn.Module, model: nn.Module, drafter: st
         )
 
 
+def check_same_dtype(weights: nn.Module, model: nn.Module, drafter: str) -> None:
+    """A `ValueError` naming both dtypes when a drafter's own `weights` (proposal heads, a feature drafter's layer)
+    are of another floating-point dtype than the output projection of `model`, whose states they read (a base cast
+    alone, e.g. `heads_model.base_model.to(torch.bfloat16)`): its drafts would fail inside a matrix product.
+
+    Args:
+        drafter (`str`): what the drafter is, for the message (e.g. `"HeadsDrafter"`).
+    """
+    expected = unwrap_base(model).get_output_embeddings().weight.dtype
+    own = next((parameter.dtype for parameter in weights.parameters() if parameter.is_floating_point()), None)
+    if own is not None and expected.is_floating_point and own != expected:
+        raise ValueError(
+            f"This {drafter}'s weights are {own}, but generate runs on {model_name(unwrap_base(model))} in {expected}: "
+            f"cast both to one dtype, e.g. the wrapper as a whole (model.to({expected}), which casts its base too), "
+            f"or the drafter's model alone"
+        )
+
+
 def encoder_decoder_only(model: nn.Module) -> None:
     if not getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(

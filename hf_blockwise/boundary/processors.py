@@ -21,6 +21,7 @@ from transformers.generation.logits_process import (
     EtaLogitsWarper,
     ForcedBOSTokenLogitsProcessor,
     ForcedEOSTokenLogitsProcessor,
+    LogitsProcessor,
     MinLengthLogitsProcessor,
     MinPLogitsWarper,
     SequenceBiasLogitsProcessor,
@@ -152,3 +153,27 @@ def check_row_local_processors(processors: Any) -> None:
                 f"only on row i's input_ids (and data kept for row i), declare it: set `row_local = True` on {name} "
                 "(class or instance); else use the base model's generate without hf_blockwise."
             )
+
+
+class ForcedPathRecorder(LogitsProcessor):
+    """A last logits processor that records the scores every earlier processor produced and forces the next token
+    of `candidate`: greedy search then walks the candidate's path and keeps the scores it would have compared.
+
+    Args:
+        candidate (`torch.LongTensor` of shape `(batch_size, length)`): decoder sequences, prompt included.
+
+    Attributes:
+        scores (`list[torch.Tensor]`): per step, the processed scores `(batch_size, vocab_size)` (a copy).
+    """
+
+    row_local = True  # each row's forced token is its own
+
+    def __init__(self, candidate: torch.Tensor) -> None:
+        self.candidate = candidate
+        self.scores: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.scores.append(scores.detach().clone())
+        position = min(input_ids.shape[1], self.candidate.shape[1] - 1)
+        forced = torch.full_like(scores, float("-inf"))
+        return forced.scatter_(1, self.candidate[:, position : position + 1].to(scores.device), 0.0)

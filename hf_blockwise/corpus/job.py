@@ -10,6 +10,7 @@ import os
 import time
 import warnings
 from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from hf_blockwise.corpus.output import (
     check_output,
     claim_output,
     first_bad_line,
+    locked_output,
     merge_shards,
     progress_path,
     read_progress,
@@ -182,10 +184,12 @@ def decode_chunk(
     texts: Sequence[str],
     settings: CorpusSettings,
     generate_kwargs: dict[str, Any],
+    first_line: int = 1,
 ) -> list[DecodedRow]:
     """One chunk of sources, decoded in sorted batches and put back in input order; too long sources are skipped
-    or refused (`settings.on_long`). A blank source (empty or whitespace only) gives a blank output without being
-    decoded, as CTranslate2 and Marian do: a model fed only its end-of-sequence token would still say something."""
+    or refused (`settings.on_long`, the refusal naming the source's line of the input: `first_line` is the chunk's
+    first, from 1). A blank source (empty or whitespace only) gives a blank output without being decoded, as
+    CTranslate2 and Marian do: a model fed only its end-of-sequence token would still say something."""
     encoded = loaded.tokenizer(list(texts))["input_ids"]
     limit = hf.encoder_position_limit(loaded.base)  # None: relative or growing positions (T5, NLLB)
     rows: list[DecodedRow | None] = [None] * len(texts)
@@ -196,7 +200,7 @@ def decode_chunk(
         elif limit is not None and len(ids) > limit:
             reason = f"the source has {len(ids)} tokens; the model has positions for {limit}"
             if settings.on_long == "fail":
-                raise ValueError(f"{reason} (a chunk's line {index}): pass --on-long skip to skip such lines")
+                raise ValueError(_too_long(settings.input, first_line + index, texts[index], reason))
             rows[index] = DecodedRow(text="", skipped=reason)
         else:
             decodable.append(index)
@@ -207,6 +211,16 @@ def decode_chunk(
         for index, row in zip(members, decoded, strict=True):
             rows[index] = row
     return rows  # type: ignore[return-value]  # every index is filled above
+
+
+def _too_long(where: str, line: int, text: str, reason: str) -> str:
+    """The refusal of a source too long for the model: the input, the source's line there (its record, for JSONL
+    and datasets), how it starts, and what to do."""
+    start = text[:40] + ("..." if len(text) > 40 else "")
+    return (
+        f"line {line} of {where} ({len(text)} characters, starting {start!r}) is too long: {reason}. Shorten or split "
+        "it, or pass --on-long skip / on_long='skip' to skip such lines (their output line is empty)"
+    )
 
 
 def format_line(index: int, row: DecodedRow, settings: CorpusSettings) -> str:
@@ -505,7 +519,26 @@ def run_job(job: CorpusJob, overwrite: bool = False, progress: bool = True) -> C
     merges. Every run first checks the output against its progress file, finished or not ([`check_output`]): lines
     deleted, edited or appended since are decoded again from the first damaged chunk on, with a
     [`CorpusRepairWarning`] naming the first bad line, so that the output ends byte-identical to an uninterrupted
-    run's."""
+    run's.
+
+    The files this process writes are locked for the whole run ([`locked_output`]): its shard, and for process 0 the
+    output itself, which it alone replaces and merges into. A second run on the same output is refused at once,
+    naming the first run's process id."""
+    with ExitStack() as locks:
+        for path in _written_by_this_process(job):
+            locks.enter_context(locked_output(path))
+        return _run_locked(job, overwrite, progress)
+
+
+def _written_by_this_process(job: CorpusJob) -> list[Path]:
+    """The files this process of the run writes: its shard (the output itself with one process), and the output for
+    process 0 of several. Each process locks its own files only: the run's processes never wait on each other."""
+    main = job.state is None or job.state.is_main_process
+    return list(dict.fromkeys([job.shard_output, *([job.output] if main else [])]))
+
+
+def _run_locked(job: CorpusJob, overwrite: bool, progress: bool) -> CorpusReport:
+    """[`run_job`], once this process holds the locks of the files it writes."""
     settings, state = job.settings, job.state
     report = CorpusReport(output=os.fspath(job.output), drafter=settings.drafter)
     if settings.num_shards > 1 and _merged_output_is_done(job, overwrite):
@@ -534,8 +567,9 @@ def run_job(job: CorpusJob, overwrite: bool = False, progress: bool = True) -> C
     with torch.inference_mode(), bar:
         for chunk in todo:
             rows = decode_chunk(
-                job.loaded, job.drafter, job.texts[chunk.start : chunk.stop], settings, job.generate_kwargs
-            )
+                job.loaded, job.drafter, job.texts[chunk.start : chunk.stop], settings, job.generate_kwargs,
+                first_line=chunk.start + 1,
+            )  # fmt: skip
             lines = [format_line(chunk.start + offset, row, settings) for offset, row in enumerate(rows)]
             if damage is not None and report.repaired_from is None:  # the damaged chunk, decoded again
                 report.repaired_from = first_bad_line(damage, lines)

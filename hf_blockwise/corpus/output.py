@@ -1,22 +1,29 @@
-"""The output file and its progress file: claiming an output for a run (or refusing one that belongs to another),
-checking that it still holds what was written (each chunk's lines, bytes and SHA-256), appending a chunk durably,
-and merging the shards of several processes in input order."""
+"""The output file and its progress file: locking an output for the run writing it ([`locked_output`]), claiming
+it (or refusing one that belongs to another run), checking that it still holds what was written (each chunk's lines,
+bytes and SHA-256), appending a chunk durably, and merging the shards of several processes in input order."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from hf_blockwise.serialization import atomic_write_text
 
+try:
+    import fcntl  # the output's lock (Linux, macOS)
+except ImportError:  # Windows
+    fcntl = None
+
 PROGRESS_SUFFIX = ".progress.json"
+LOCK_SUFFIX = ".lock"
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,77 @@ def progress_path(output: str | os.PathLike) -> Path:
 
 def shard_path(output: str | os.PathLike, shard: int, num_shards: int) -> Path:
     return Path(f"{os.fspath(output)}.shard{shard:03d}-of-{num_shards:03d}")
+
+
+def lock_path(output: str | os.PathLike) -> Path:
+    return Path(f"{os.fspath(output)}{LOCK_SUFFIX}")
+
+
+@contextlib.contextmanager
+def locked_output(output: Path) -> Iterator[None]:
+    """Holds an exclusive lock on writing `output` for as long as the context lasts: a second run on the same output
+    (whose appends and progress file would interleave with this one's) is refused at once with a `ValueError` naming
+    the output and this process's id, which the lock file `OUTPUT.lock` holds.
+
+    The lock is an `flock` on that file, which the OS releases when the process ends however it ends: a run killed
+    leaves the file behind, but no lock, and the next run takes it over. The file is removed when the context ends.
+    """
+    path = lock_path(output)
+    handle = _acquire_lock(path, output)
+    try:
+        yield
+    finally:
+        # removed while still held: a run that opened this file meanwhile sees it gone once it gets the lock, and
+        # locks a fresh one ([`_acquire_lock`]) instead of sharing one with a third run
+        path.unlink(missing_ok=True)
+        handle.close()
+
+
+def _acquire_lock(path: Path, output: Path) -> IO[str]:
+    """The lock file `path` of `output`, open and exclusively locked, holding this process's id."""
+    if fcntl is None:  # no flock: say so rather than leave two runs to corrupt an output unnoticed
+        warnings.warn(
+            f"{output}: this platform has no fcntl.flock, so a second run writing the same output at the same time "
+            "is not detected: start one run per output",
+            stacklevel=4,
+        )
+        return open(os.devnull, "w", encoding="utf-8")  # closed by `locked_output`
+    while True:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115  # closed by `locked_output`, or below
+        except OSError as error:
+            raise ValueError(f"--output / output {output}: cannot create {path} ({error.strerror or error})") from error
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            handle.close()
+            raise ValueError(
+                f"{output} is being written by another run (pid {holder}, which holds {path}): wait for it to "
+                "finish, or choose another output. Two runs writing one output would corrupt it"
+            ) from None
+        except OSError as error:
+            handle.close()
+            raise ValueError(
+                f"{output}: cannot lock {path} ({error}); write the output to a local filesystem that supports "
+                "file locks"
+            ) from error
+        if _is_the_file_at(handle, path):
+            break
+        handle.close()  # removed by the run that held it, which has just ended: lock the file now there
+    handle.truncate(0)
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def _is_the_file_at(handle: IO[str], path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(handle.fileno()), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 @dataclass

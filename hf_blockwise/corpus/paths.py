@@ -5,11 +5,12 @@ user gave (the input, the model's files) ever taken as the output."""
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hf_blockwise.corpus.output import progress_path
+from hf_blockwise.corpus.output import lock_path, progress_path
 
 # a saved tokenizer writes at least one of these (slow ones: their vocabulary file, matched by the patterns below)
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
@@ -46,7 +47,9 @@ def input_identity(inputs: Any, column: str | None, split: str | None) -> str:
 
 def check_output_location(output: Path) -> None:
     """A `ValueError` when `output` could never be written: it is a folder, a folder on its way is a file, or the
-    nearest existing folder is not writable. Checked before the model loads, so a bad path fails in a second."""
+    nearest existing folder is not writable (by its permissions, or where no file can be made in it at all: `/proc`,
+    `/sys`, a read-only mount, which permissions do not tell root). Checked before the model loads, so a bad path
+    fails in a second."""
     if output.is_dir():
         raise ValueError(f"--output / output {output} is a directory: name a file in it, e.g. {output / 'out.txt'}")
     existing = output.absolute().parent
@@ -61,13 +64,21 @@ def check_output_location(output: Path) -> None:
         raise ValueError(
             f"--output / output {output}: {where} is not writable; choose an output in a directory you can write to"
         )
+    try:  # a file made and removed at once: what the run itself does beside the output (its lock and progress)
+        with tempfile.TemporaryFile(dir=existing, prefix=".hf-blockwise-probe-"):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"--output / output {output}: no file can be created in {existing} ({error.strerror or error}); choose "
+            "an output in a directory you can write to"
+        ) from error
 
 
 def check_output_is_not_a_source(output: Path, inputs: Any, model: Any) -> None:
-    """A `ValueError` when the output (or its progress file) is the input, lies inside an input folder (a saved
+    """A `ValueError` when the output (or its progress or lock file) is the input, lies inside an input folder (a saved
     dataset), or is one of a local model directory's own files: `--overwrite` replaces outputs, never what the user
     gave. Paths are compared resolved, and by identity of the file when both exist (links)."""
-    written = [output, progress_path(output)]
+    written = [output, progress_path(output), lock_path(output)]
     source = local_path(inputs)
     if source is not None and any(_is_or_is_inside(path, source) for path in written):
         raise ValueError(f"--output / output {output} would overwrite the input {inputs}: choose another output file")

@@ -50,6 +50,12 @@ def read_sources(source: str | Sequence[str] | datasets.Dataset, column: str | N
         return _checked_texts(read_text(path).splitlines(), path)
     if os.path.isdir(path) and _is_saved_dataset(path):
         return _dataset_column(_pick_split(datasets.load_from_disk(path), split, path), column, path)
+    if os.path.isdir(path):
+        raise ValueError(
+            f"--input {path} is a directory, but no dataset saved with save_to_disk (it holds no dataset_info.json "
+            "or dataset_dict.json): pass one of its files, e.g. --input DIR/sources.txt (for a folder of data "
+            "files, pass generate_corpus the dataset that datasets.load_dataset(DIR) reads)"
+        )
     if os.path.splitext(name)[1]:  # a file name, not a dataset id
         raise ValueError(f"--input {path}: no such file")
     hf.check_local_path(path, "--input")  # a missing local folder gets a clear error, not the hub's

@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from hf_blockwise.boundary import (
+    check_same_dtype,
     check_same_projection,
     decoder_input_embeddings,
     output_projection_logits,
@@ -220,6 +221,7 @@ class FeatureDrafter(Drafter):
 
     def check_base(self, model: nn.Module) -> None:
         check_same_projection(self.model.base_model, model, "FeatureDrafter")
+        check_same_dtype(self.model.layer, model, "FeatureDrafter")
 
     def get_candidates(self, request: DraftRequest) -> Drafts:
         batch_size, device = request.lengths.shape[0], request.lengths.device

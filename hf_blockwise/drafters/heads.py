@@ -8,7 +8,12 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from hf_blockwise.boundary import check_same_projection, output_projection_logits, shortlist_projection
+from hf_blockwise.boundary import (
+    check_same_dtype,
+    check_same_projection,
+    output_projection_logits,
+    shortlist_projection,
+)
 from hf_blockwise.drafters.base import Drafter, DraftNoise, DraftRequest, Drafts
 from hf_blockwise.drafters.trees import check_tree_options, drafted_candidates, ranked_tree
 
@@ -104,6 +109,7 @@ class HeadsDrafter(Drafter):
 
     def check_base(self, model: nn.Module) -> None:
         check_same_projection(self.model.base_model, model, "HeadsDrafter")
+        check_same_dtype(self.model.heads, model, "HeadsDrafter")
 
     def get_candidates(self, request: DraftRequest) -> Drafts:
         batch_size = request.lengths.shape[0]

@@ -280,9 +280,7 @@ def beam_step(state: BeamState, setup: BeamSetup) -> BeamState:
 
 def initial_beam_state(call: hf.GenerateCall, setup: BeamSetup) -> BeamState:
     """The state before the first forward: the prompt in every beam, nothing cached."""
-    options, source = setup.options, call.encoder_input_ids
-    if source is not None and source.shape[0] == options.batch_size:  # generate expands the kwargs, not the ids
-        source = source.repeat_interleave(options.num_beams, dim=0)
+    options, source = setup.options, call.encoder_input_ids  # one row per beam, as the call expands them
     search = hf.initial_beam_search(call.decoder_input_ids, options)
     return BeamState(
         search=search, cache=call.cache, cache_length=0, forward_kwargs=call.forward_kwargs,

@@ -152,15 +152,19 @@ class AdapterModelMixin:
 
     @classmethod
     def from_pretrained(
-        cls, name_or_path: str | os.PathLike, base_model: nn.Module | None = None, **base_model_kwargs: Any
+        cls,
+        name_or_path: str | os.PathLike,
+        base_model: nn.Module | str | os.PathLike | None = None,
+        **base_model_kwargs: Any,
     ) -> Self:
         """Loads an adapter saved by `save_pretrained` and attaches it to a base model.
 
         Args:
             name_or_path: local directory or hub repository holding the adapter.
-            base_model: the base to attach it to (e.g. `heads_model.base_model`); by default the checkpoint named
-                in the adapter's config is loaded with `AutoModelForSeq2SeqLM.from_pretrained(name,
-                **base_model_kwargs)`, a relative name being looked up inside the adapter's directory first.
+            base_model: the base to attach it to: a loaded model (e.g. `heads_model.base_model`), or its directory
+                or hub id, loaded with `AutoModelForSeq2SeqLM.from_pretrained(base_model, **base_model_kwargs)`; by
+                default the checkpoint named in the adapter's config is loaded so, a relative name being looked up
+                inside the adapter's directory first.
         """
         config, base_model = load_adapter_config(
             name_or_path, cls.config_class, base_model, cls.adapter_name, base_model_kwargs

@@ -194,15 +194,20 @@ class NARDrafterModel(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, name_or_path: str | os.PathLike, verifier: nn.Module | None = None, **model_kwargs: Any
+        cls,
+        name_or_path: str | os.PathLike,
+        verifier: nn.Module | str | os.PathLike | None = None,
+        **model_kwargs: Any,
     ) -> NARDrafterModel:
         """Loads a drafter written by [`save_pretrained`] (a local directory or a hub repository).
 
         Args:
-            verifier (`nn.Module`, *optional*): checked for a matching vocabulary; a drafter saved relative to
+            verifier (`nn.Module`, `str` or `os.PathLike`, *optional*): the model it drafts for (or its directory or
+                hub id, loaded with `model_kwargs`), checked for a matching vocabulary; a drafter saved relative to
                 its verifier is rebuilt from it (by default from the config's `verifier_name_or_path`).
             model_kwargs: passed to `from_pretrained` of the model (and of the verifier it loads, if any).
         """
+        verifier = hf.given_base(verifier, "verifier=", model_kwargs)
         config = NARDrafterConfig.from_json_file(hf.resolve_file(name_or_path, NAR_CONFIG_NAME))
         if not hf.has_file(name_or_path, CHANGED_WEIGHTS_NAME):
             model = AutoModelForSeq2SeqLM.from_pretrained(name_or_path, **model_kwargs)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_blockwise import blockwise_generate, first_divergence, quantize_dynamic_int8
+from hf_blockwise import blockwise_generate, greedy_divergences, quantize_dynamic_int8
 from hf_blockwise import engine as engine_module
 from hf_blockwise.drafters import feature, heads, trees
 from hf_blockwise.drafters.base import Drafter, likely_candidates
@@ -344,8 +344,8 @@ class DivergenceReport:
     Attributes:
         sentences (`int`): decoded.
         differing (`list[tuple[str, list]]`): each source whose blockwise output differs, with its
-            [`first_divergence`] list (position, tokens, top-2 gap).
-        gaps (`list[float]`): the top-2 logit gaps at every divergence, sorted.
+            [`greedy_divergences`] list: where it departs from transformers' greedy, the token's rank and gap.
+        gaps (`list[float]`): the gaps at every departure, in float spacings of the scores, sorted.
     """
 
     sentences: int
@@ -373,11 +373,9 @@ def divergences(
             greedy = base.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1)
         blockwise = base.generate(**inputs, **engine, assistant=drafter, max_new_tokens=max_new_tokens, num_beams=1)
         if not torch.equal(greedy, blockwise):
-            found = first_divergence(
-                base, inputs["input_ids"], greedy, blockwise, inputs["attention_mask"], base.config.pad_token_id
-            )
+            found = greedy_divergences(base, inputs, blockwise, max_new_tokens=max_new_tokens)
             differing.append((source, found))
-            gaps += [divergence.top2_gap for divergence in found]
+            gaps += [divergence.gap_in_spacings for divergence in found]
     return DivergenceReport(len(sources), differing, sorted(gaps))
 
 
