@@ -89,17 +89,12 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from hf_blockwise.quantization import quantize_dynamic_int8
 
 
-# names before 0.2, kept for one release (their modules warn when they are used)
-_RENAMED = {"BlockwiseConfig": "hf_blockwise.modeling.config"}
-
-
 def __getattr__(name: str) -> Any:
-    source = _SOURCES.get(name) or _RENAMED.get(name)
+    source = _SOURCES.get(name)
     if source is None:
         raise AttributeError(f"module 'hf_blockwise' has no attribute {name!r}")
     value = getattr(importlib.import_module(source), name)
-    if name in _SOURCES:
-        globals()[name] = value  # later lookups skip this function
+    globals()[name] = value  # later lookups skip this function
     return value
 
 

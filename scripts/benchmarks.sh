@@ -45,16 +45,8 @@ hf-blockwise profile calls --threads 2 --max-tokens 4 --kinds "int8 compiled" --
     > docs/bench/int8-call-parts.md
 hf-blockwise profile step --threads 2 --drafter feature --int8 --compiled --compiled-prefill --source-file $src \
     --sentences 30 > docs/bench/marian-base-step-profile-int8-fixed.md
-# issue 43: one compiled call per step (the verification, its raw acceptance and the drafter's next chain)
-hf-blockwise profile step --threads 2 --drafter feature --int8 --compiled --compiled-prefill \
-    --drafting-in-verification --source-file $src --sentences 30 > docs/bench/marian-base-step-profile-int8-one-call.md
-# issue 43: drafts in one layer pass (a parallel, PARD-style drafter: train it first, training/README.md) against the
-# shipped chains at k = 4 and 2, int8, Multi30k at batch 1
+# chains at k = 4 and 2, int8, Multi30k at batch 1
 set_files multi30k
-hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 100 --batch-sizes 1 --threads 2 \
-    --modes greedy_int8_compiled feature_int8_compiled feature_k2_int8_compiled \
-    --feature-drafter checkpoints/feature-marian-base-parallel/checkpoint-50 \
-    --out docs/bench/marian-base-multi30k-parallel-drafts-b1
 hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 100 --batch-sizes 1 --threads 2 \
     --modes greedy_int8_compiled feature_int8_compiled feature_k2_int8_compiled \
     --out docs/bench/marian-base-multi30k-chains-k2-k4-b1

@@ -20,6 +20,7 @@ from conftest import ARCHITECTURES, OracleDrafter, build_model, random_batch
 from near_ties import assert_greedy_up_to_near_ties
 
 from hf_blockwise import blockwise_generate
+from hf_blockwise import boundary as hf
 from hf_blockwise import engine as engine_module
 from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts, NoDrafter
 from hf_blockwise.drafters.feature import FeatureDrafter
@@ -67,13 +68,13 @@ def test_no_recompiles_or_graph_breaks_once_warm(compiled_models, monkeypatch) -
         _generate(model, random_batch(model, batch_size, seed=5), blockwise_compile=True)
     breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())
     windows = []  # (positions shown, buffer length) of each compiled call
-    attention_window = engine_module.hf.attention_window
+    attention_window = hf.attention_window
 
     def recorded(cache, length):
-        windows.append((length, engine_module.hf.static_cache_capacity(cache)))
+        windows.append((length, hf.static_cache_capacity(cache)))
         return attention_window(cache, length)
 
-    monkeypatch.setattr(engine_module.hf, "attention_window", recorded)
+    monkeypatch.setattr(hf, "attention_window", recorded)
     # other lengths, length limits (buffers), batch sizes, feed widths and acceptance patterns, and the attention
     # windows they give: the same graphs serve them all
     with torch.compiler.set_stance("fail_on_recompile"):
@@ -386,6 +387,12 @@ def test_compile_option_is_validated() -> None:
     batch = random_batch(model, 1, seed=0)
     with pytest.raises(TypeError, match="blockwise_compile= takes a bool or a CompileOptions"):
         _generate(model, batch, assistant=NoDrafter(), blockwise_compile="yes")
+    # a compiled first call is a CPU inductor graph: refused elsewhere before any hook is placed on the model
+    projection = model.get_output_embeddings()
+    hooks = dict(projection._forward_hooks)
+    with pytest.raises(ValueError, match=r"CompileOptions\(compiled_prefill=True\) compiles on CPU with inductor"):
+        engine_module.CompiledDecoder(model, CompileOptions(backend="eager", compiled_prefill=True))
+    assert dict(projection._forward_hooks) == hooks
 
 
 def test_state_reading_drafter_gets_states_from_the_compiled_graph(compiled_models) -> None:
@@ -428,19 +435,14 @@ class _TwinFeatureDrafter(Drafter):
 
 # the block under inductor, and the threshold's cut under dynamo alone: the cut is applied to the block's outputs,
 # outside its graph, which is the same with a threshold or without; a parallel drafter's one-pass block under dynamo
-@pytest.mark.parametrize(
-    ("threshold", "backend", "parallel"), [(None, "inductor", False), (0.05, "eager", False), (None, "eager", True)]
-)
-def test_compiled_feature_drafting_drafts_what_the_eager_drafter_drafts(
-    compiled_models, threshold, backend, parallel
-) -> None:
+@pytest.mark.parametrize(("threshold", "backend"), [(None, "inductor"), (0.05, "eager")])
+def test_compiled_feature_drafting_drafts_what_the_eager_drafter_drafts(compiled_models, threshold, backend) -> None:
     """The feature drafter's compiled block (take-in and unrolled drafts in one call) proposes, row by row, the
-    drafts of its eager path (op by op, or the block module for a parallel drafter), over steps with narrower
-    verified chunks (batch 1, where it is used)."""
+    drafts of its eager path (op by op), over steps with narrower verified chunks (batch 1, where it is used)."""
     # a model of its own under another backend: the shared one's engine stays the inductor one
     base = compiled_models["bart"] if backend == "inductor" else build_model("bart")
     options = CompileOptions(backend=backend)
-    config = FeatureDrafterConfig(block_size=4, training_depth=3 if parallel else 2, parallel_drafts=parallel)
+    config = FeatureDrafterConfig(block_size=4, training_depth=2)
     drafter_model = FeatureDrafterModel(base, config).eval()
     twin = _TwinFeatureDrafter(drafter_model.drafter(threshold=threshold))
     for seed in (12, 13, 14):  # batch 1: where the compiled block drafts
@@ -486,18 +488,18 @@ def test_compiled_feature_drafting_does_not_recompile_once_warm(compiled_models)
 
 
 def test_an_attention_window_shows_views_of_the_buffers_and_restores_them() -> None:
-    cache = engine_module.hf.static_decoder_cache(2, 48)
+    cache = hf.static_decoder_cache(2, 48)
     for layer in cache.self_attention_cache.layers:
         layer.lazy_initialization(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
     buffers = [(layer.keys, layer.values) for layer in cache.self_attention_cache.layers]
-    with engine_module.hf.attention_window(cache, 16):
+    with hf.attention_window(cache, 16):
         for layer, (keys, _values) in zip(cache.self_attention_cache.layers, buffers, strict=True):
             assert layer.keys.shape[2] == layer.max_cache_len == 16 and layer.keys._base is keys
             layer.keys[0, 0, 3] = 1.0  # a write through the window reaches the buffer
     for layer, (keys, values) in zip(cache.self_attention_cache.layers, buffers, strict=True):
         assert layer.keys is keys and layer.values is values
-    assert engine_module.hf.static_cache_capacity(cache) == 48 and float(buffers[0][0][0, 0, 3].sum()) == 4.0
+    assert hf.static_cache_capacity(cache) == 48 and float(buffers[0][0][0, 0, 3].sum()) == 4.0
     refused = pytest.raises(ValueError, match="an attention window of 64 positions in a cache of 48")
-    with refused, engine_module.hf.attention_window(cache, 64):
+    with refused, hf.attention_window(cache, 64):
         pass
     assert cache.self_attention_cache.layers[0].keys is buffers[0][0]  # restored after the refusal too

@@ -24,7 +24,7 @@ from hf_blockwise import (
     quantize_dynamic_int8,
 )
 from hf_blockwise.drafters.base import DraftRequest
-from hf_blockwise.drafters.feature import FeatureDraftBlock
+from hf_blockwise.drafters.feature_block import FeatureDraftBlock
 from hf_blockwise.drafters.heads import ShortlistProjection
 from hf_blockwise.engine import CompileOptions, own_code
 from hf_blockwise.kernels import int8 as int8_kernel

@@ -21,7 +21,7 @@ from hf_blockwise import (
 )
 from hf_blockwise.drafters.base import Drafter, VerifiedStates
 from hf_blockwise.drafters.composite import CompositeDrafter
-from hf_blockwise.drafters.feature import FeatureDraftBlock, merge_verified
+from hf_blockwise.drafters.feature import merge_verified
 from hf_blockwise.modeling.config import FeatureDrafterConfig
 from hf_blockwise.modeling.feature_layer import unrolled_mask
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
@@ -57,14 +57,11 @@ def fit(model: torch.nn.Module, parameters, loss_of, steps: int, lr: float = 3e-
         optimizer.step()
 
 
-def fitted_feature_drafter(architecture: str, steps: int, cross_attention: bool = True, parallel: bool = False):
-    """A feature drafter (parallel: PARD-style) overfitted on one batch of the base's own greedy outputs: right most
-    of the time."""
+def fitted_feature_drafter(architecture: str, steps: int, cross_attention: bool = True):
+    """A feature drafter overfitted on one batch of the base's own greedy outputs: right most of the time."""
     base = build_model(architecture)
     torch.manual_seed(0)
-    config = FeatureDrafterConfig(
-        block_size=5, training_depth=4, cross_attention=cross_attention, parallel_drafts=parallel
-    )
+    config = FeatureDrafterConfig(block_size=5, training_depth=4, cross_attention=cross_attention)
     model = FeatureDrafterModel(base, config)
     batch = random_batch(base, 6, seed=1)
     greedy, labels = greedy_labels(base, batch)
@@ -361,90 +358,3 @@ def test_a_mutable_draft_state_is_narrowed_in_place_as_rows_leave(kind: str) -> 
     for state, result, num_rows, held in recording.selections:
         assert result is state
         assert held == num_rows
-
-
-@pytest.fixture(scope="module")
-def fitted_parallel():
-    """A parallel (PARD-style) drafter overfitted like `fitted_marian`: right most of the time."""
-    return fitted_feature_drafter("marian", steps=250, parallel=True)
-
-
-def test_a_parallel_drafter_drafts_a_step_in_one_layer_pass_and_is_accepted(fitted_parallel, monkeypatch) -> None:
-    """Training (masks unrolled in place of predicted states) and drafting (every draft of a step from one pass of
-    the chunk and the masks) agree: what it learned teacher-forced is accepted, and the output is greedy's."""
-    model, batch, greedy = fitted_parallel
-    out = model(**batch, labels=greedy_labels(model.base_model, batch)[1])
-    assert float(out.token_accuracies.min()) > 0.9
-    passes = []
-    attend = FeatureDraftBlock._attend_inputs
-
-    def counted(self, inputs, *rest):
-        passes.append(inputs.shape)  # (b, Q, d)
-        return attend(self, inputs, *rest)
-
-    monkeypatch.setattr(FeatureDraftBlock, "_attend_inputs", counted)
-    accepted = []
-    for row in range(greedy.shape[0]):
-        single = {key: value[row : row + 1, : int(batch["attention_mask"][row].sum())] for key, value in batch.items()}
-        passes.clear()
-        result = model.generate(**single, max_new_tokens=MAX_NEW_TOKENS, return_dict_in_generate=True)
-        expected = model.base_model.generate(**single, do_sample=False, max_new_tokens=MAX_NEW_TOKENS)
-        assert torch.equal(result.sequences, expected)
-        # one layer pass per drafted step (each verification after the first call): the chunk, then 3 masks (k = 5)
-        assert len(passes) == result.decoding_stats.num_forwards - 1
-        assert all(shape[1] >= 5 + 3 for shape in passes)
-        accepted.append(result.decoding_stats.mean_accepted)
-    assert sum(accepted) / len(accepted) > 3.0  # of at most 5 per call, prefill step (1 token) included
-    batched = model.generate(**batch, max_new_tokens=MAX_NEW_TOKENS, return_dict_in_generate=True)
-    assert torch.equal(batched.sequences, greedy) and batched.decoding_stats.mean_accepted > 2.5
-
-
-@pytest.mark.parametrize("architecture", ["marian", "bart", "t5"])
-def test_a_partly_trained_parallel_drafter_is_exact(architecture: str) -> None:
-    """Right sometimes, at batch sizes 1/4/9, with a threshold, k below the config's, and under generate
-    arguments."""
-    model, _, _ = fitted_feature_drafter(architecture, steps=25, cross_attention=architecture != "t5", parallel=True)
-    base = model.base_model
-    kwargs = GENERATE_ARGUMENTS["several_eos"](base)
-    for batch_size, seed, threshold, block_size in [(1, 3, None, 5), (4, 4, 0.2, 4), (9, 5, None, 3)]:
-        batch = random_batch(base, batch_size, seed)
-        greedy = base.generate(**batch, do_sample=False, num_beams=1, **kwargs)
-        drafter = model.drafter(block_size=block_size, threshold=threshold)
-        assert_greedy_up_to_near_ties(
-            base, batch, greedy, model.generate(**batch, assistant=drafter, **kwargs), **kwargs
-        )
-
-
-def test_parallel_drafts_are_saved_and_validated(tmp_path, fitted_parallel) -> None:
-    model, batch, greedy = fitted_parallel
-    model.save_pretrained(tmp_path / "drafter")
-    loaded = FeatureDrafterModel.from_pretrained(tmp_path / "drafter", base_model=model.base_model)
-    assert loaded.feature_config.parallel_drafts and torch.equal(loaded.layer.mask_inputs, model.layer.mask_inputs)
-    assert torch.equal(loaded.generate(**batch, max_new_tokens=MAX_NEW_TOKENS), greedy)
-    with pytest.raises(ValueError, match="block_size 6 needs training_depth >= 5"):
-        FeatureDrafterConfig(block_size=6, training_depth=4, parallel_drafts=True)
-    with pytest.raises(ValueError, match="parallel_drafts must be a bool"):
-        FeatureDrafterConfig(parallel_drafts="yes")
-    with pytest.raises(ValueError, match=r"at most 4 drafts \(block_size <= 5\)"):
-        model.drafter(block_size=6)
-    with pytest.raises(ValueError, match="chains"):
-        model.drafter(tree_nodes=4)
-
-
-def test_the_trainer_can_train_a_parallel_drafters_mask_offsets_alone(tmp_path) -> None:
-    """`train_mask_inputs_only`: the layer (a sequential drafter's, kept) does not move, the offsets do; refused for
-    a drafter without offsets."""
-    base = build_model("marian")
-    rows = greedy_rows(base, random_batch(base, 4, seed=2))
-    args = FeatureDrafterTrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, learning_rate=1e-2, max_steps=2, save_strategy="no",
-        report_to=[], use_cpu=True, train_mask_inputs_only=True,
-    )  # fmt: skip
-    config = FeatureDrafterConfig(block_size=4, training_depth=3, parallel_drafts=True)
-    model = FeatureDrafterModel(base, config)
-    before = {name: tensor.clone() for name, tensor in model.layer.state_dict().items()}
-    FeatureDrafterTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows)).train()
-    moved = {name for name, tensor in model.layer.state_dict().items() if not torch.equal(tensor, before[name])}
-    assert moved == {"mask_inputs"}
-    with pytest.raises(ValueError, match="parallel_drafts is off"):
-        FeatureDrafterTrainer(model=FeatureDrafterModel(base, FeatureDrafterConfig()), args=args)

@@ -106,3 +106,17 @@ def test_no_function_in_the_repository_is_over_the_limit() -> None:
         for name, length in long_functions(path.read_text(encoding="utf-8"), MAX_FUNCTION_LINES)
     ]
     assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines, split them into named helpers: {too_long}"
+
+
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_of_the_library_is_over_the_limit() -> None:
+    """A module holds one job: past this many lines it is split into modules of a package."""
+    root = Path(hf_blockwise.__file__).parent
+    too_long = [
+        f"{path.relative_to(root.parent)} ({lines} lines)"
+        for path in sorted(root.rglob("*.py"))
+        if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not too_long, f"modules over {MAX_MODULE_LINES} lines, split them: {too_long}"

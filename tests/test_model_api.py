@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 
@@ -14,7 +13,6 @@ from safetensors import safe_open
 from transformers import AutoModelForSeq2SeqLM, GenerationConfig, GPT2Config, GPT2LMHeadModel
 from transformers.generation.streamers import BaseStreamer
 
-import hf_blockwise
 from hf_blockwise import (
     BlockwiseHeadsConfig,
     BlockwiseHeadsModel,
@@ -29,8 +27,6 @@ from hf_blockwise.boundary import output_projection_logits
 from hf_blockwise.loading import SHIPPED_MODEL, LoadedModel, load_model
 from hf_blockwise.serialization import atomic_write_text
 from hf_blockwise.tools.bench import BenchSetup, run_bench
-from hf_blockwise.training.heads_config import BlockwiseHeadsTrainingArguments
-from hf_blockwise.training.heads_trainer import BlockwiseHeadsTrainer
 
 
 def draft(drafter, request: DraftRequest):
@@ -486,19 +482,3 @@ def test_resaved_heads_name_a_base_that_resolves_and_another_base_is_a_warning(t
     other.name_or_path = "some-org/another-marian"
     with pytest.warns(UserWarning, match="trained for base .* attached to 'some-org/another-marian'"):
         BlockwiseHeadsModel.from_pretrained(tmp_path / "resaved", base_model=other)
-
-
-def test_the_heads_names_before_0_2_still_work_and_warn() -> None:
-    """`BlockwiseConfig`, `BlockwiseTrainer`, `BlockwiseTrainingArguments` and their modules are now named for
-    heads; the old names stay for one release, with a `FutureWarning` that names the new one."""
-    with pytest.warns(FutureWarning, match="BlockwiseHeadsConfig") as caught:
-        assert hf_blockwise.BlockwiseConfig is BlockwiseHeadsConfig
-    assert {record.filename for record in caught} == {__file__}  # the caller's line, not the package's
-    for old_module, old_name, new in (
-        ("blockwise_trainer", "BlockwiseTrainer", BlockwiseHeadsTrainer),
-        ("blockwise_config", "BlockwiseTrainingArguments", BlockwiseHeadsTrainingArguments),
-    ):
-        with pytest.warns(FutureWarning, match=new.__name__) as caught:
-            module = importlib.import_module(f"hf_blockwise.training.{old_module}")
-            assert getattr(module, old_name) is new
-        assert {record.filename for record in caught} == {__file__}

@@ -10,9 +10,8 @@ import pytest
 import torch
 from conftest import save_with_random_heads
 
-from hf_blockwise import engine as engine_module
 from hf_blockwise.drafters import feature, heads, trees
-from hf_blockwise.engine import CompileOptions
+from hf_blockwise.engine import CompileOptions, registry
 from hf_blockwise.generation import loop, step
 from hf_blockwise.loading import load_model
 from hf_blockwise.modeling.config import FeatureDrafterConfig
@@ -38,7 +37,7 @@ def test_the_step_profile_splits_a_decode_into_its_phases(saved_model: str, caps
     """Greedy (the loop alone) spends nothing drafting, the heads do; every phase is a time, the phases sum to the
     total; generate's fixed cost splits into the encoder, the engine's stale check (none: eager) and the rest; the
     loop's functions, the engine's check, the encoder's hooks and the drafter are put back afterwards."""
-    originals = (loop.decode_step, step.run_decoder, step.verify_chain, engine_module._kept)
+    originals = (loop.decode_step, step.run_decoder, registry._kept)
     arguments = ["profile", "step", "--model", saved_model, "--drafter", "heads", "--threads", "1"]
     assert main([*arguments, "--source-file", f"{saved_model}/sources.txt", "--max-new-tokens", "12"]) == 0
     phases_table, fixed_table = capsys.readouterr().out.split("\n\n")
@@ -53,11 +52,10 @@ def test_the_step_profile_splits_a_decode_into_its_phases(saved_model: str, caps
         encoder, engine_check, setup, block_check = fixed[name]
         assert encoder > 0 and engine_check == block_check == 0.0 and setup >= 0  # eager: no compiled object
         assert encoder + setup == pytest.approx(phases[3], abs=0.25)
-    assert (loop.decode_step, step.run_decoder, step.verify_chain, engine_module._kept) == originals
-    for option in ("--compiled-prefill", "--drafting-in-verification"):  # how the engine compiles: nothing to compile
-        with pytest.raises(SystemExit) as usage:
-            main([*arguments, option])
-        assert usage.value.code == 2 and "they need --compiled" in capsys.readouterr().err
+    assert (loop.decode_step, step.run_decoder, registry._kept) == originals
+    with pytest.raises(SystemExit) as usage:  # how the engine compiles: nothing to compile
+        main([*arguments, "--compiled-prefill"])
+    assert usage.value.code == 2 and "it needs --compiled" in capsys.readouterr().err
     loaded = load_model(saved_model)
     phases = profile.step_phases(loaded.base, loaded.tokenizer, ["w5 w6"], None, False, max_new_tokens=4)
     assert phases["encoder"] > 0
@@ -151,11 +149,11 @@ def test_profile_usage_errors_name_what_is_wrong(saved_model: str, tmp_path, cap
 
 
 def test_the_step_profile_takes_a_feature_drafter_saved_elsewhere(saved_model: str, tmp_path, capsys) -> None:
-    """A parallel drafter saved outside the model's folder: its drafting is timed (one layer pass a step)."""
+    """A feature drafter saved outside the model's folder: its drafting is timed."""
     base = load_model(saved_model).base
-    config = FeatureDrafterConfig(block_size=4, training_depth=3, parallel_drafts=True)
-    FeatureDrafterModel(base, config).save_pretrained(tmp_path / "parallel")
-    arguments = ["profile", "step", "--model", saved_model, "--feature-drafter", str(tmp_path / "parallel")]
+    config = FeatureDrafterConfig(block_size=4, training_depth=2)
+    FeatureDrafterModel(base, config).save_pretrained(tmp_path / "elsewhere")
+    arguments = ["profile", "step", "--model", saved_model, "--feature-drafter", str(tmp_path / "elsewhere")]
     assert main([*arguments, "--threads", "1", "--sentences", "2", "--max-new-tokens", "8"]) == 0
     printed = capsys.readouterr().out
     assert "drafter feature, k = 4" in printed

@@ -26,15 +26,6 @@ Exact commands (from the repository root; wall times in ``training/README.md``):
         --block-size 4 --bf16 true --save-steps 50 \
         --ship hf_blockwise/pretrained/marian-base-en-de/feature-drafter
 
-A parallel (PARD-style) drafter from the shipped one, its layer frozen and its mask offsets learned (issue 43; measured,
-not shipped: ``training/README.md``)::
-
-    python training/train_feature_drafter.py --base hf_blockwise/pretrained/marian-base-en-de \
-        --distilled checkpoints/distill-marian-base-v3 --out checkpoints/feature-marian-base-parallel \
-        --init-from hf_blockwise/pretrained/marian-base-en-de/feature-drafter --parallel-drafts true \
-        --train-mask-inputs-only true --block-size 4 --training-depth 3 --max-steps 250 --bf16 false --save-steps 50 \
-        --logging-steps 10 --lr 1e-2 --warmup-steps 10 --eval-sentences 100 --shortlist 0
-
 Training further in a later session (checkpoints do not outlive one) starts from the shipped weights:
 ``--init-from hf_blockwise/pretrained/marian-base-en-de/feature-drafter`` with a fresh ``--out``.
 """
@@ -46,7 +37,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -83,16 +74,6 @@ class TrainFeatureDrafterArguments:
     )
     training_depth: int = field(default=4, metadata={"help": "unrolled drafting steps in training"})
     cross_attention: bool = field(default=True, metadata={"help": "the layer attends to the encoder output"})
-    parallel_drafts: bool = field(
-        default=False,
-        metadata={
-            "help": "draft a step's tokens in one layer pass, from learned mask offsets (PARD-style); with --init-from "
-            "a sequential drafter, its layer is kept and the offsets are new"
-        },
-    )
-    train_mask_inputs_only: bool = field(
-        default=False, metadata={"help": "with --parallel-drafts: train the mask offsets alone, the layer as it is"}
-    )
     ffn_size: int | None = field(
         default=None, metadata={"help": "the layer's feed-forward width (None: the base decoder's); sets its cost"}
     )
@@ -179,17 +160,18 @@ def train(args: TrainFeatureDrafterArguments):
         cross_attention=args.cross_attention,
         ffn_size=args.ffn_size,
         training_depth=args.training_depth,
-        parallel_drafts=args.parallel_drafts,
         base_model_name_or_path=args.base,
     )
-    model = _initial_model(args, base) if args.init_from else FeatureDrafterModel(base, config)
+    if args.init_from:  # the saved drafter as it is (its own shape and config) on this base
+        model = FeatureDrafterModel.from_pretrained(args.init_from, base_model=base)
+    else:
+        model = FeatureDrafterModel(base, config)
     training_args = trainer_arguments(
         FeatureDrafterTrainingArguments,
         args,
         lr_scheduler_type="cosine",
         feature_loss_weight=args.feature_loss_weight,
         token_loss_weight=args.token_loss_weight,
-        train_mask_inputs_only=args.train_mask_inputs_only,
         logging_steps=args.logging_steps,
         save_steps=args.save_steps,
         bf16=args.bf16,
@@ -204,25 +186,6 @@ def train(args: TrainFeatureDrafterArguments):
         model.set_shortlist(frequent_tokens(train_dataset["labels"], args.shortlist, always=[tokenizer.eos_token_id]))
     model.save_pretrained(os.path.join(args.out, "final"))
     return model.eval(), tokenizer, accuracies
-
-
-def _initial_model(args: TrainFeatureDrafterArguments, base) -> FeatureDrafterModel:
-    """The saved drafter as it is (its own shape and config) on this base; with `--parallel-drafts` over a sequential
-    one, the same layer with new mask offsets (and this run's `--block-size` and `--training-depth`)."""
-    saved = FeatureDrafterModel.from_pretrained(args.init_from, base_model=base)
-    if not args.parallel_drafts or saved.feature_config.parallel_drafts:
-        return saved
-    config = replace(
-        saved.feature_config, parallel_drafts=True, block_size=args.block_size, training_depth=args.training_depth
-    )
-    model = FeatureDrafterModel(base, config)
-    missing, unexpected = model.layer.load_state_dict(saved.layer.state_dict(), strict=False)
-    if missing != ["mask_inputs"] or unexpected:
-        raise ValueError(
-            f"{args.init_from} does not fit a parallel drafter: missing {missing}, unexpected {unexpected} (only "
-            "mask_inputs should be new)"
-        )
-    return model
 
 
 def _evaluation_settings(args: TrainFeatureDrafterArguments) -> dict:

@@ -1,6 +1,6 @@
 """Drafters: what proposes the next tokens that a verification pass then checks.
 
-The contract follows transformers' `CandidateGenerator` (`get_candidates`, `update_candidate_strategy`),
+The contract follows transformers' `CandidateGenerator` (`get_candidates`),
 adapted to batches whose rows advance at different speeds: a drafter receives a [`DraftRequest`] describing
 every row and returns a [`Drafts`] with a token count per row.
 
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_blockwise.engine import CompileOptions, DraftingInVerification
+from hf_blockwise.compile_options import CompileOptions
 
 
 @dataclass(frozen=True)
@@ -273,33 +273,11 @@ class Drafter(ABC):
         drafter keeps for later steps it writes into `request.drafter_state`, in place.
         """
 
-    def drafting_in_verification(
-        self, request: DraftRequest, start: int, num_pending: torch.Tensor, num_fed: torch.Tensor, width: int
-    ) -> DraftingInVerification | None:
-        """Called before a compiled chain step's verification: a drafter whose next drafts can be computed inside
-        the verification's compiled call returns its block and inputs, and gets the block's outputs back through
-        `keep` (the next [`get_candidates`] then hands them out instead of drafting); `None` (the default) drafts
-        in calls of its own. The request is this step's (its `verified_states` already taken in).
-
-        Args:
-            start (`int`): the decoder position of the feed's column 0 (the cache length).
-            num_pending, num_fed (`torch.LongTensor` of shape `(batch_size,)`): verified tokens leading each row's
-                feed, and its real tokens.
-            width (`int`): the feed's columns.
-        """
-        return None
-
     def observe(self, request: DraftRequest) -> None:  # noqa: B027
         """Called instead of [`get_candidates`] on a step where none of this drafter's drafts are wanted (a
         [`CompositeDrafter`] serving every row from its other drafter). A drafter that keeps a cache of what each
         verification established records the request's states in its per-call state here; the default does
         nothing."""
-
-    def update_candidate_strategy(self, request: DraftRequest, num_accepted: torch.Tensor) -> None:  # noqa: B027
-        """Called after each verification with the drafts accepted per row, shape `(batch_size,)`.
-
-        A hook for adaptive drafters; the drafters of this package are stateless and ignore it.
-        """
 
     def check_base(self, model: nn.Module) -> None:  # noqa: B027
         """Called once per `generate` call with the model it runs on; raises a `ValueError` naming both shapes when

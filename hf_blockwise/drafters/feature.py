@@ -13,16 +13,12 @@ compiled call
 ([`FeatureDraftBlock`]): the drafts are unrolled, the cache is a fixed-capacity buffer read through masks, and the
 threshold cuts each row's drafts with a cumulative product instead of stopping early, so drafting reads nothing
 back to the host.
-
-A parallel drafter (`FeatureDrafterConfig(parallel_drafts=True)`, PARD-style) drafts a step's tokens in one layer
-pass instead: the chunk and one mask query per later draft together ([`FeatureDraftBlock`], eager or compiled).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,59 +27,18 @@ from torch.nn import functional as F
 from hf_blockwise.boundary import (
     check_same_dtype,
     check_same_projection,
-    decoder_input_embeddings,
     output_projection_logits,
     shortlist_projection,
 )
 from hf_blockwise.drafters.base import Drafter, DraftNoise, DraftRequest, Drafts, VerifiedStates
+from hf_blockwise.drafters.feature_block import AttentionMemory, FeatureDraftBlock, FeatureModel
 from hf_blockwise.drafters.heads import ShortlistProjection
 from hf_blockwise.drafters.trees import (
     check_tree_options,
     drafted_candidates,
-    expanded_depths,
-    ranked_candidates,
     ranked_tree,
-    select_tree_tensors,
 )
-from hf_blockwise.engine import CompiledModule, DraftingInVerification, compiled_block
-from hf_blockwise.quantization import Int8Linear, is_int8
-
-
-class FeatureModel(Protocol):
-    """What [`FeatureDrafter`] reads of a model with a feature drafter; [`FeatureDrafterModel`] is one.
-
-    The drafter owns proposing and nothing of the model: weights and persistence stay with the model (`modeling/`),
-    which imports this module, not the other way round.
-
-    Attributes:
-        feature_config: its `block_size` and `threshold` (defaults of the drafter).
-        layer (`nn.Module`): the drafter layer (`modeling/feature_layer.py: FeatureDrafterLayer`): `inputs`,
-            `self_memory`, `encoder_memory`, its call, `out` and its `shortlist` buffer (or `None`).
-        base_model (`nn.Module`): the transformers model whose output projection turns states into tokens.
-    """
-
-    feature_config: Any
-    layer: nn.Module
-    base_model: nn.Module
-
-    def token_embeddings(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """The base decoder's input embeddings of `token_ids` (any shape `S` -> `S + (e,)`), as the layer reads them."""
-
-
-@dataclass
-class AttentionMemory:
-    """Keys and values one attention reads, with a mask over them.
-
-    Attributes:
-        keys (`torch.Tensor` of shape `(batch_size, num_heads, length, head_size)`).
-        values (`torch.Tensor` of shape `(batch_size, num_heads, length, head_size)`).
-        mask (`torch.BoolTensor` broadcastable to `(batch_size, 1, num_queries, length)`, *optional*): True where
-            a query may attend.
-    """
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    mask: torch.Tensor | None = None
+from hf_blockwise.engine import CompiledModule, compiled_block
 
 
 @dataclass
@@ -104,9 +59,6 @@ class FeatureDraftCache:
             lookup was made (`None` then means compilation is unavailable).
         eager_block ([`FeatureDraftBlock`], *optional*): the drafting block run as a plain module, for trees drafted
             outside the compiled engine (built once per call).
-        drafted (`tuple`, *optional*): drafts made inside the last verification call
-            ([`FeatureDrafter.drafting_in_verification`]): the decoder position of that call's column 0 and the
-            block's outputs, handed out by the next [`FeatureDrafter.get_candidates`].
     """
 
     keys: torch.Tensor | None = None
@@ -120,7 +72,6 @@ class FeatureDraftCache:
     block: CompiledModule | None = None
     block_ready: bool = False
     eager_block: nn.Module | None = None
-    drafted: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def check_draft_threshold(threshold: object, name: str) -> None:
@@ -171,14 +122,6 @@ class FeatureDrafter(Drafter):
         if tree_nodes is not None and threshold is not None:
             raise ValueError("threshold cuts chains of drafts; a tree (tree_nodes=) selects its nodes by cumulative "
                              "probability instead: pass one of them")  # fmt: skip
-        masks = model.layer.mask_inputs
-        if masks is not None and (tree_nodes is not None or block_size - 2 > masks.shape[0]):
-            raise ValueError(
-                f"this drafter drafts in parallel from {masks.shape[0]} learned mask inputs: it proposes chains "
-                f"(no tree_nodes) of at most {masks.shape[0] + 1} drafts (block_size <= {masks.shape[0] + 2}), got "
-                f"block_size={block_size}, tree_nodes={tree_nodes}"
-            )
-        self.parallel = masks is not None
         self.model = model
         self.block_size = block_size
         self.threshold = threshold
@@ -203,7 +146,6 @@ class FeatureDrafter(Drafter):
 
         cache = drafter_state
         cache.keys, cache.values, cache.lengths = pick(cache.keys), pick(cache.values), pick(cache.lengths)
-        cache.drafted = None  # drafted in a verification call of every row (never made for several rows)
         encoder = cache.encoder
         if encoder is not None:
             cache.encoder = AttentionMemory(pick(encoder.keys), pick(encoder.values), pick(encoder.mask))
@@ -228,9 +170,6 @@ class FeatureDrafter(Drafter):
         verified, cache = request.verified_states, request.drafter_state
         if verified is None:  # before the first verification there are no states to read
             return Drafts.empty(batch_size, device)
-        drafted, cache.drafted = cache.drafted, None
-        if drafted is not None and drafted[0] == verified.start and not cache.backlog:  # taken in by that call
-            return self._drafts(*drafted[1], None)
         if cache.backlog:
             verified = merge_verified([*cache.backlog, verified])
             cache.backlog = []
@@ -246,7 +185,7 @@ class FeatureDrafter(Drafter):
             cache.block, cache.block_ready = self._compiled_block(request, cache), True
         if compiled and cache.block is not None:
             return self._draft_compiled(cache.block, request, verified, cache)
-        if self.frontier or self.parallel:  # trees and parallel drafts come from the drafting block, eager here
+        if self.frontier:  # trees come from the drafting block, eager here
             if cache.eager_block is None:
                 cache.eager_block = self._new_block(cache.projection)
             return self._draft_compiled(cache.eager_block, request, verified, cache)
@@ -277,32 +216,6 @@ class FeatureDrafter(Drafter):
                     predicted, ranked[:, 0], cache, index, visible[:, : cache.filled + index + 1]
                 )
         return self._drafts(torch.stack(tokens, dim=1), torch.stack(probabilities, dim=1), lengths)
-
-    def drafting_in_verification(
-        self, request: DraftRequest, start: int, num_pending: torch.Tensor, num_fed: torch.Tensor, width: int
-    ) -> DraftingInVerification | None:
-        """The compiled drafting block inside the verification call, for chains of one row drafted greedily (no
-        threshold, no sampling, no tree) once the block has run in this `generate` (its weights checked then):
-        the call takes in every fed column and drafts from the last the raw logits verify. Where the logits
-        processors accept otherwise, the drafts only start from another column: the loop's acceptance decides the
-        output, and the next take-in starts at its cache length."""
-        cache = request.drafter_state
-        one_chain = not self.frontier and self.branching == 1 and self.threshold is None
-        if not (one_chain and request.sampling is None and request.lengths.shape[0] == 1 and cache.block_ready):
-            return None
-        if cache.block is None or cache.keys is None or cache.backlog:
-            return None
-        keys = cache.keys
-        needed = start + max(width, self.block_size) + self.block_size  # the chunk, then this call's drafts
-        like = keys.new_empty(keys.shape[0], 0, keys.shape[1] * keys.shape[3])  # (b, 0, d): the states' shape
-        self._reserve(cache, like, needed=needed, rounding=request.sequences.shape[1])
-        encoder = cache.encoder
-        inputs = (
-            torch.tensor(start, device=keys.device), cache.keys, cache.values,
-            *((None, None, None) if encoder is None else (encoder.keys, encoder.values, encoder.mask)),
-        )  # fmt: skip
-        keep = functools.partial(_keep_drafted, cache, start)
-        return DraftingInVerification(cache.block, inputs, num_pending, num_fed, keep)
 
     def _drafts(self, tokens: torch.Tensor, probabilities: torch.Tensor, lengths: torch.Tensor | None) -> Drafts:
         """A chain of each depth's best token (cut at `lengths`, or whole), or with `tree_nodes` a tree over the
@@ -478,295 +391,6 @@ class FeatureDrafter(Drafter):
             cache.keys[:, :, : slot + 1], cache.values[:, :, : slot + 1], visible[:, None, None, :]
         )
         return layer(inputs, normed, memory, cache.encoder)[:, 0]
-
-
-class FeatureDraftBlock(nn.Module):
-    """The feature drafter's take-in and `num_drafts` drafts as one module over fixed-capacity buffers, for
-    `torch.compile`: no host reads, no shapes that depend on values, the drafts unrolled and the shortlist
-    projection inside (the eager [`FeatureDrafter`] does the same work op by op).
-
-    Args:
-        model ([`FeatureDrafterModel`]): its layer, and the base's token embeddings and output projection.
-        projection ([`ShortlistProjection`], *optional*): the shortlist rows of the output projection (kept as
-            buffers, so that freezing prepacks them); `None` projects onto the whole vocabulary.
-        num_drafts (`int`): drafts per row and call, `block_size - 1` (the depth of a tree).
-        branching (`int`, defaults to 1): ranked candidates per drafted state (the first is the chain's token).
-        frontier (`int`, defaults to 0): `0` drafts one chain (with each depth's runners-up when `branching > 1`);
-            more grows a tree EAGLE-2's way: at each depth the `frontier` candidates of highest cumulative
-            probability are expanded together (one layer pass over `frontier` queries, each attending to its own
-            ancestors), each proposing its `branching` best children.
-        num_nodes (`int`, *optional*): with a `frontier`, the tree's size: the best `num_nodes` candidates by
-            cumulative probability are selected inside the block.
-    """
-
-    def __init__(
-        self,
-        model: FeatureModel,
-        projection: ShortlistProjection | None,
-        num_drafts: int,
-        branching: int = 1,
-        frontier: int = 0,
-        num_nodes: int | None = None,
-    ) -> None:
-        super().__init__()
-        self.branching = branching
-        self.frontier = frontier
-        self.num_nodes = num_nodes
-        self.layer = model.layer
-        self.embeddings = decoder_input_embeddings(model.base_model)
-        self.base_model = model.base_model if projection is None else None
-        self.num_drafts = num_drafts
-        self.register_buffer("token_ids", None if projection is None else projection.token_ids)
-        self.register_buffer("weight", None if projection is None else projection.weight.detach().clone())
-        bias = None if projection is None or projection.bias is None else projection.bias.detach().clone()
-        self.register_buffer("bias", bias)
-        # a drafter layer in int8 projects onto its shortlist in int8 too: a quarter of the bytes, on the int8 kernel
-        # (measured on the EPYC Zen 4: 2,000 float32 rows on MKL cost ~0.26 ms a draft in an int8 graph, which takes
-        # no GEMM template); drafts only propose, so the output stays the base's
-        self.int8_projection = None if self.weight is None or not is_int8(self.layer) else _int8_rows(self.weight, bias)
-
-    def forward(
-        self,
-        states: torch.Tensor,
-        sequences: torch.Tensor,
-        num_valid: torch.Tensor,
-        start: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        encoder_keys: torch.Tensor | None,
-        encoder_values: torch.Tensor | None,
-        encoder_mask: torch.Tensor | None,
-        noise: torch.Tensor | None = None,
-        temperature: float = 1.0,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """
-        Args:
-            states (`torch.Tensor` of shape `(b, W, d)`): the verified chunk's states, positions `start..start+W-1`;
-                columns past a row's `num_valid` are ignored.
-            sequences (`torch.LongTensor` of shape `(b, L)`): the verified tokens (the token after each state).
-            num_valid (`torch.LongTensor` of shape `(b,)`), start (`torch.LongTensor` of shape `()`).
-            keys, values (`torch.Tensor` of shape `(b, H, C, d/H)`): the drafter's cache, written in place; slots
-                before `start` hold verified positions of every row, `C >= start + W + num_drafts`.
-            encoder_keys, encoder_values, encoder_mask: the cross-attention memory, or `None`s without one.
-            noise (`torch.FloatTensor` of shape `(b, num_drafts, S)`, *optional*): a sampling call's noise at each
-                draft's position over the drafter's vocabulary (or shortlist); chains then draft `argmax(logits /
-                temperature + noise)` ([`ranked_candidates`]).
-
-        Returns:
-            tokens (`torch.LongTensor` of shape `(b, num_drafts, branching)`): each depth's best tokens, best first
-            (the drafts follow the first); their probabilities under the drafter (`torch.FloatTensor`, same shape).
-            With a `frontier`: the tree's tokens and parents instead (`(b, num_nodes)` each, [`_grow`]).
-        """
-        columns = torch.arange(states.shape[1], device=states.device)  # (W,)
-        follow = sequences[:, (start + 1 + columns).clamp(max=sequences.shape[1] - 1)]  # (b, W)
-        encoder = None if encoder_keys is None else AttentionMemory(encoder_keys, encoder_values, encoder_mask)
-        return self._take_in_and_draft(states, follow, num_valid, start, keys, values, encoder, noise, temperature)
-
-    def after_verification(
-        self,
-        states: torch.Tensor,
-        follow: torch.Tensor,
-        num_valid: torch.Tensor,
-        start: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        encoder_keys: torch.Tensor | None,
-        encoder_values: torch.Tensor | None,
-        encoder_mask: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[`forward`] inside the verification's graph ([`hf_blockwise.engine.DraftingInVerification`]): every fed
-        column taken in, with the token after each its greedy token (`follow`, `(b, W)`), and the chain drafted from
-        the last of each row's `num_valid` columns. The take-in of the columns past them is overwritten by the next
-        step's (the cache's valid length is the loop's acceptance, set when the drafts are handed out)."""
-        encoder = None if encoder_keys is None else AttentionMemory(encoder_keys, encoder_values, encoder_mask)
-        states = states.to(self.layer.out.weight.dtype)
-        return self._take_in_and_draft(states, follow, num_valid, start, keys, values, encoder, None, 1.0)
-
-    def _take_in_and_draft(
-        self,
-        states: torch.Tensor,
-        follow: torch.Tensor,
-        num_valid: torch.Tensor,
-        start: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        encoder: AttentionMemory | None,
-        noise: torch.Tensor | None,
-        temperature: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chunk `(b, W, d)` with the token after each column (`follow`, `(b, W)`) taken in at slots `start..`,
-        then the drafts from each row's last valid column (the arguments and result of [`forward`])."""
-        if self.layer.mask_inputs is not None:
-            return self._in_one_pass(states, follow, num_valid, start, keys, values, encoder, noise, temperature)
-        batch, width = states.shape[:2]
-        columns = torch.arange(width, device=states.device)  # (W,)
-        slots = torch.arange(keys.shape[2], device=states.device)  # (C,)
-        # the chunk: column c sees every slot up to its own position (before `start`, every row's are verified)
-        chunk_visible = slots <= (start + columns)[:, None]  # (W, C)
-        predicted = self._attend(states, follow, keys, values, start + columns, chunk_visible, encoder)
-        lengths = start + num_valid  # (b,)
-        predicted = predicted[torch.arange(batch, device=states.device), (num_valid - 1).clamp(min=0)]  # (b, d)
-        # drafts go after the chunk; draft i sees its row's verified slots and drafts 0..i
-        filled = start + width
-        if self.frontier:
-            return self._grow(predicted, lengths, filled, keys, values, encoder)
-        tokens, probabilities = [], []
-        for index in range(self.num_drafts):
-            ranked, probability = self._choose(predicted, None if noise is None else noise[:, index], temperature)
-            tokens.append(ranked)  # (b, m), with `probability` (b, m)
-            probabilities.append(probability)
-            token = ranked[:, 0]
-            if index + 1 < self.num_drafts:
-                slot = (filled + index).reshape(1)
-                visible = (slots < lengths[:, None]) | ((slots >= filled) & (slots <= slot))  # (b, C)
-                predicted = self._attend(
-                    predicted[:, None], token[:, None], keys, values, slot, visible[:, None, None, :], encoder
-                )[:, 0]
-        return torch.stack(tokens, dim=1), torch.stack(probabilities, dim=1)
-
-    def _in_one_pass(
-        self,
-        states: torch.Tensor,
-        follow: torch.Tensor,
-        num_valid: torch.Tensor,
-        start: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        encoder: AttentionMemory | None,
-        noise: torch.Tensor | None,
-        temperature: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[`_take_in_and_draft`] for parallel drafts (PARD-style): the chunk and `num_drafts - 1` mask inputs in one
-        layer pass. The first draft comes from each row's last valid column, draft i + 1 from mask i (that column's
-        input plus the layer's offset i, its keys at slot `start + W + i`), which sees its row's verified slots and
-        masks 0..i: no draft waits for the one before."""
-        batch, width = states.shape[:2]
-        device = states.device
-        num_masks = self.num_drafts - 1
-        columns, offsets = torch.arange(width, device=device), torch.arange(num_masks, device=device)  # (W,), (n-1,)
-        slots = torch.arange(keys.shape[2], device=device)  # (C,)
-        filled, lengths = start + width, start + num_valid  # (), (b,)
-        chunk_visible = (slots <= (start + columns)[:, None]).expand(batch, -1, -1)  # (b, W, C)
-        mask_visible = (slots < lengths[:, None])[:, None] | (
-            (slots >= filled) & (slots <= (filled + offsets)[:, None])
-        )  # (b, n-1, C)
-        rows, last = torch.arange(batch, device=device), (num_valid - 1).clamp(min=0)  # (b,), (b,)
-        chunk = self.layer.inputs(states, self.embeddings(follow))  # (b, W, d)
-        masks = chunk[rows, last][:, None] + self.layer.mask_inputs[:num_masks]  # (b, n-1, d)
-        write = torch.cat([start + columns, filled + offsets])  # (W + n-1,)
-        visible = torch.cat([chunk_visible, mask_visible], dim=1)[:, None]  # (b, 1, W + n-1, C)
-        predicted = self._attend_inputs(torch.cat([chunk, masks], 1), keys, values, write, visible, encoder)
-        drafted = torch.cat([predicted[rows, last][:, None], predicted[:, width:]], dim=1)  # (b, n, d)
-        return self._choose(drafted, noise, temperature)  # (b, n, m) each
-
-    def _grow(
-        self,
-        predicted: torch.Tensor,
-        lengths: torch.Tensor,
-        filled: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        encoder: AttentionMemory | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """EAGLE-2's expansion: the `frontier` best candidates of each depth proposed together.
-
-        Drafted keys go to slots `filled + depth * frontier + j` (frontier node j); a node attends to its row's
-        verified slots and to the slots of its own path (`path`, over the `num_drafts * frontier` drafted slots).
-
-        Returns:
-            tokens and parents (`(b, num_nodes)`): the best `num_nodes` of every candidate (`m + (num_drafts - 1) *
-            frontier * m`) by cumulative draft probability, as [`select_tree`] lays a tree out.
-        """
-        batch, frontier, room = predicted.shape[0], self.frontier, self.num_drafts * self.frontier
-        ranked, probability = self._choose(predicted)  # (b, m)
-        tokens, parents, scores = [ranked], [torch.full_like(ranked, -1)], [probability]
-        score, pick = probability.topk(frontier, dim=1)  # (b, B): the first frontier
-        nodes, node_tokens = pick, ranked.gather(1, pick)  # candidate index and token of each frontier node
-        states = predicted[:, None].expand(-1, frontier, -1)  # (b, B, d): the state each frontier node follows
-        path = torch.zeros(batch, frontier, room, dtype=torch.bool, device=predicted.device)
-        slots = torch.arange(keys.shape[2], device=predicted.device)  # (C,)
-        drafted = (slots - filled).clamp(0, room - 1)[None, None].expand(batch, frontier, -1)  # (b, B, C)
-        offset = ranked.shape[1]
-        for depth in range(self.num_drafts - 1):
-            own = depth * frontier + torch.arange(frontier, device=predicted.device)  # (B,)
-            path = path | torch.nn.functional.one_hot(own, room).bool()[None]
-            visible = (slots < lengths[:, None])[:, None] | (
-                path.gather(2, drafted) & (slots >= filled) & (slots < filled + room)
-            )  # (b, B, C)
-            states = self._attend(states, node_tokens, keys, values, filled + own, visible[:, None], encoder)
-            ranked, probability = self._choose(states)  # (b, B, m)
-            children = (score[..., None] * probability).reshape(batch, -1)  # (b, B * m)
-            tokens.append(ranked.reshape(batch, -1))
-            parents.append(nodes[..., None].expand_as(ranked).reshape(batch, -1))
-            scores.append(children)
-            score, pick = children.topk(frontier, dim=1)  # the next frontier
-            nodes, node_tokens = offset + pick, ranked.reshape(batch, -1).gather(1, pick)
-            came_from = (pick // self.branching)[..., None]  # (b, B, 1): its parent's frontier place
-            states = states.gather(1, came_from.expand(-1, -1, states.shape[2]))
-            path = path.gather(1, came_from.expand(-1, -1, room))
-            offset += children.shape[1]
-        tokens, parents, scores = torch.cat(tokens, dim=1), torch.cat(parents, dim=1), torch.cat(scores, dim=1)
-        depth = expanded_depths(self.num_drafts, self.branching, frontier, tokens.device).expand(batch, -1)
-        return select_tree_tensors(tokens, parents, depth, scores, self.num_nodes, self.num_drafts)
-
-    def _attend(
-        self,
-        states: torch.Tensor,
-        tokens: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        write: torch.Tensor,
-        visible: torch.Tensor,
-        encoder: AttentionMemory | None = None,
-    ) -> torch.Tensor:
-        """The layer over `(b, Q)` positions: their keys written at slots `write` (shape `(Q,)`), attention through
-        `visible` (broadcastable to `(b, 1, Q, C)`); returns predicted next states `(b, Q, d)`."""
-        inputs = self.layer.inputs(states, self.embeddings(tokens))  # (b, Q, d)
-        return self._attend_inputs(inputs, keys, values, write, visible, encoder)
-
-    def _attend_inputs(
-        self,
-        inputs: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        write: torch.Tensor,
-        visible: torch.Tensor,
-        encoder: AttentionMemory | None,
-    ) -> torch.Tensor:
-        """[`_attend`] from the layer's inputs `(b, Q, d)` (fused states and tokens, or mask inputs)."""
-        layer = self.layer
-        fresh, normed = layer.self_memory(inputs)  # (b, H, Q, d/H)
-        keys.index_copy_(2, write, fresh.keys)
-        values.index_copy_(2, write, fresh.values)
-        return layer(inputs, normed, AttentionMemory(keys, values, visible), encoder)
-
-    def _choose(
-        self, predicted: torch.Tensor, noise: torch.Tensor | None = None, temperature: float = 1.0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's `branching` best drafts from its predicted state `(b, d)`, with their probabilities (a chain's
-        token drawn on a sampling call's `noise`, `(b, S)`, when given)."""
-        if self.weight is None:
-            logits = output_projection_logits(self.base_model, predicted)  # (b, V)
-            return ranked_candidates(logits, None, self.branching, noise, temperature)
-        if self.int8_projection is not None:
-            logits = self.int8_projection(predicted)  # (b, S)
-        else:
-            logits = F.linear(predicted.to(self.weight.dtype), self.weight, self.bias)  # (b, S)
-        return ranked_candidates(logits, self.token_ids, self.branching, noise, temperature)
-
-
-def _keep_drafted(cache: FeatureDraftCache, start: int, outputs: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Keeps drafts made inside the verification call at decoder position `start` for the next step."""
-    cache.drafted = (start, outputs)
-
-
-def _int8_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:
-    """An int8 layer over a shortlist's rows `(S, d)` of the output projection (and their bias `(S,)`)."""
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None).eval()
-    linear.weight = nn.Parameter(weight.float(), requires_grad=False)
-    if bias is not None:
-        linear.bias = nn.Parameter(bias.float(), requires_grad=False)
-    return Int8Linear(linear)
 
 
 def merge_verified(entries: list[VerifiedStates]) -> VerifiedStates:

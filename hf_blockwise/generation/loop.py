@@ -17,7 +17,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 
 from hf_blockwise import boundary as hf
 from hf_blockwise.drafters.base import Drafter, NoDrafter
-from hf_blockwise.engine import CompiledDecoder, CompileOptions, compiled_decoder
+from hf_blockwise.engine import CompiledDecoder, CompileOptions, check_arithmetic, compiled_decoder
 from hf_blockwise.generation.acceptance import AcceptanceRule, ExactAcceptance, check_rule_fits
 from hf_blockwise.generation.beam import BeamSetup, beam_search, initial_beam_state
 from hf_blockwise.generation.capability import check_decoder, check_tree_decoder, check_verification_width
@@ -148,7 +148,7 @@ def probe_engine(
     tree: bool,
     state: DecodingState | None = None,
 ) -> None:
-    """Runs the engine's one-arithmetic probe ([`CompiledDecoder.check_arithmetic`]) for a decode that feeds
+    """Runs the engine's one-arithmetic probe ([`engine.check_arithmetic`]) for a decode that feeds
     several tokens per row: before it starts, and (given its `state`) when a decode of several rows is left with one,
     which moves it to the batch-1 graph. Once per engine and kind of decode; it warns where the contract fails here.
     Greedy decodes feed one token per call, the contract's reference: nothing to check."""
@@ -156,10 +156,10 @@ def probe_engine(
         return
     max_length = call.stop_rules.max_length
     if state is None:
-        engine.check_arithmetic(call.decoder_input_ids, call.forward_kwargs, max_length, feed_limit, tree)
+        check_arithmetic(engine, call.decoder_input_ids, call.forward_kwargs, max_length, feed_limit, tree)
     elif state.num_rows == 1 and call.decoder_input_ids.shape[0] > 1:
         prompt = call.decoder_input_ids[state.rows]
-        engine.check_arithmetic(prompt, state.forward_kwargs, max_length, feed_limit, tree, shrunk=True)
+        check_arithmetic(engine, prompt, state.forward_kwargs, max_length, feed_limit, tree, shrunk=True)
 
 
 def decoding_setup(

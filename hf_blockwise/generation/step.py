@@ -434,28 +434,6 @@ def run_decoder(
     return logits, states if capture else None
 
 
-def verify_chain(
-    state: DecodingState, setup: DecodingSetup, request: DraftRequest, feed: StepFeed
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[`run_decoder`] of a chain feed; under the compiled engine, with the drafter's next drafts computed in the
-    same call where the drafter offers its block ([`Drafter.drafting_in_verification`]): one call per step."""
-    engine, tokens = setup.engine, feed.tokens
-    if engine is None or state.cache_length == 0 or not engine.options.drafting_in_verification:
-        return run_decoder(state, setup, tokens)
-    num_fed = feed.num_pending_fed + feed.num_drafts_fed  # (b,)
-    drafting = setup.drafter.drafting_in_verification(
-        request, state.cache_length, feed.num_pending, num_fed, tokens.shape[1]
-    )
-    if drafting is None:
-        return run_decoder(state, setup, tokens)
-    logits, states, drafted = engine.verify_and_draft(
-        tokens, state.cache, state.forward_kwargs, state.cache_length, drafting
-    )
-    if drafted is not None:
-        drafting.keep(drafted)
-    return logits, states if setup.drafter.reads_decoder_states else None
-
-
 def decode_step(state: DecodingState, setup: DecodingSetup) -> DecodingState:
     """One draft-verify-accept step for every row still decoding: a tree step when the drafts are a tree that the
     step can verify as one (`generation/tree.py`), else a chain step (a tree's main chain)."""
@@ -470,7 +448,7 @@ def decode_step(state: DecodingState, setup: DecodingSetup) -> DecodingState:
 def chain_step(state: DecodingState, setup: DecodingSetup, request: DraftRequest, drafts: Drafts) -> DecodingState:
     """Verifies each row's chain of drafts in one forward."""
     feed = build_feed(state, setup, drafts, request.max_drafts)
-    logits, states = verify_chain(state, setup, request, feed)  # (b, W, V), (b, W, d) or None
+    logits, states = run_decoder(state, setup, feed.tokens)  # (b, W, V), (b, W, d) or None
     logits = logits.float()
     columns = decision_columns(state, feed)  # (b, N)
     scores = decision_scores(state, setup, feed, logits, columns)  # (b, N, V)
@@ -510,7 +488,6 @@ def conclude(
     """The end of a step: stopping rules on the new tokens (accepted drafts, then the base's own), the streamer,
     the new tokens' scores and logits where the call keeps them ([`keep_token_outputs`]; `decisions`: a chain step's
     unperturbed scores and, with `output_logits`, raw logits, each `(b, N, V)`), and [`advance`]."""
-    setup.drafter.update_candidate_strategy(request, num_accepted)
     num_new, stopped = truncate_at_stops(state, setup, new_tokens, (num_accepted + 1) * feed.deciding)
     if setup.streamer is not None and int(num_new[0]) > 0:  # batch size 1 only
         setup.streamer.put(new_tokens[0, : int(num_new[0])].cpu())

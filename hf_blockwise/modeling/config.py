@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from hf_blockwise.drafters.feature import check_draft_threshold
-from hf_blockwise.renamed import renamed_names
 from hf_blockwise.serialization import JsonConfigMixin
 
 CONFIG_NAME = "blockwise_config.json"
@@ -124,11 +123,6 @@ class FeatureDrafterConfig(JsonConfigMixin):
         ffn_size (`int`, *optional*): feed-forward width; `None`: the base decoder's.
         training_depth (`int`, defaults to 3): how many drafting steps training unrolls ("training-time test":
             step i reads the drafter's own predicted states of steps < i).
-        parallel_drafts (`bool`, defaults to `False`): draft every token of a step in one layer pass (PARD-style):
-            the first draft from the last verified position, the i-th after it from a mask query whose input is that
-            position's input plus a learned offset i (`training_depth - 1` offsets, so `block_size <=
-            training_depth + 1`), instead of one pass per draft fed the draft before it. Training unrolls the masks
-            in place of predicted states.
         base_model_name_or_path, base_model_type, hidden_size, embedding_size, encoder_hidden_size, vocab_size:
             what the drafter was built for, filled in from the base and checked when it is attached.
         shortlist_size (`int`, *optional*): drafts are drawn from this many token ids only (stored with the weights).
@@ -142,7 +136,6 @@ class FeatureDrafterConfig(JsonConfigMixin):
     num_attention_heads: int | None = None
     ffn_size: int | None = None
     training_depth: int = 3
-    parallel_drafts: bool = False
     base_model_name_or_path: str | None = None
     base_model_type: str | None = None
     hidden_size: int | None = None
@@ -158,17 +151,10 @@ class FeatureDrafterConfig(JsonConfigMixin):
         check_block_size(self.block_size)
         check_fingerprint(self.base_fingerprint)
         check_draft_threshold(self.draft_threshold, "draft_threshold")
-        for name in ("cross_attention", "parallel_drafts"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.cross_attention, bool):
+            raise ValueError(f"cross_attention must be a bool, got {self.cross_attention!r}")
         if isinstance(self.training_depth, bool) or not isinstance(self.training_depth, int) or self.training_depth < 1:
             raise ValueError(f"training_depth must be an int >= 1, got {self.training_depth!r}")
-        if self.parallel_drafts and self.block_size > self.training_depth + 1:
-            raise ValueError(
-                f"parallel_drafts learns one mask input per draft after the first (training_depth - 1 = "
-                f"{self.training_depth - 1}): block_size {self.block_size} needs training_depth >= "
-                f"{self.block_size - 1}"
-            )
         for name in (
             "num_attention_heads", "ffn_size", "hidden_size", "embedding_size", "encoder_hidden_size", "vocab_size",
             "shortlist_size",
@@ -183,4 +169,3 @@ class FeatureDrafterConfig(JsonConfigMixin):
 
 
 # names before 0.2, kept for one release (with a FutureWarning)
-__getattr__ = renamed_names(__name__, globals(), {"BlockwiseConfig": "BlockwiseHeadsConfig"})

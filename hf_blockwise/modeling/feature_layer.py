@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hf_blockwise.drafters.feature import AttentionMemory
+from hf_blockwise.drafters.feature_block import AttentionMemory
 
 
 # The layer runs once per drafted token on tiny tensors, where each module call's own overhead is a large part of
@@ -75,9 +75,6 @@ class FeatureDrafterLayer(nn.Module):
         ffn_size (`int`): feed-forward width.
         encoder_hidden_size (`int`, *optional*): width of the encoder output; `None` for no cross-attention.
         shortlist_size (`int`, *optional*): size of the `shortlist` buffer of token ids drafts come from.
-        num_masks (`int`, defaults to 0): learned offsets `mask_inputs` `(num_masks, hidden_size)`: the input of the
-            i-th position after the first draft is the last verified position's input plus offset i, so that one
-            pass drafts them all (PARD-style parallel drafts); 0 drafts one pass per token.
     """
 
     def __init__(
@@ -88,7 +85,6 @@ class FeatureDrafterLayer(nn.Module):
         ffn_size: int,
         encoder_hidden_size: int | None = None,
         shortlist_size: int | None = None,
-        num_masks: int = 0,
     ) -> None:
         super().__init__()
         # the base's states and embeddings come at architecture-specific scales (T5 rescales its states)
@@ -108,11 +104,6 @@ class FeatureDrafterLayer(nn.Module):
         shortlist = None if shortlist_size is None else torch.zeros(shortlist_size, dtype=torch.long)
         self.shortlist: torch.Tensor | None
         self.register_buffer("shortlist", shortlist)
-        # offsets from the last verified position's input (which tells a mask where the chunk ends: the layer has no
-        # positions of its own); small random values, so that they start apart
-        masks = nn.Parameter(torch.randn(num_masks, hidden_size) * 0.02) if num_masks else None
-        self.mask_inputs: nn.Parameter | None
-        self.register_parameter("mask_inputs", masks)
 
     def inputs(self, states: torch.Tensor, token_embeddings: torch.Tensor) -> torch.Tensor:
         """The layer's input at each position: a state with the embedding of the token chosen from it.

@@ -8,13 +8,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from hf_blockwise import boundary as hf
 from hf_blockwise.boundary import BaseModelWrapper, output_projection_logits, resolve_file
-from hf_blockwise.drafters.feature import AttentionMemory, FeatureDrafter
+from hf_blockwise.drafters.feature import FeatureDrafter
+from hf_blockwise.drafters.feature_block import AttentionMemory
 from hf_blockwise.modeling.adapter import AdapterModelMixin, check_base_signature
 from hf_blockwise.modeling.config import FeatureDrafterConfig
 from hf_blockwise.modeling.feature_layer import FeatureDrafterLayer, unrolled_mask
@@ -105,7 +105,6 @@ class FeatureDrafterModel(AdapterModelMixin, BaseModelWrapper):
             fc.ffn_size,
             fc.encoder_hidden_size if fc.cross_attention else None,
             fc.shortlist_size,
-            fc.training_depth - 1 if fc.parallel_drafts else 0,
         )
         projection = base_model.get_output_embeddings().weight
         self.layer.to(device=projection.device, dtype=projection.dtype)
@@ -216,8 +215,7 @@ class FeatureDrafterModel(AdapterModelMixin, BaseModelWrapper):
         valid: torch.Tensor,
     ) -> FeatureDrafterOutput:
         """Losses of `training_depth` unrolled drafting steps: step 0 reads the base's `states`, step i the states
-        step i - 1 predicted, one position back (with `parallel_drafts`, step 0's input at the anchor, i positions
-        back, plus the layer's mask input i - 1).
+        step i - 1 predicted, one position back.
 
         Args:
             states (`torch.Tensor` of shape `(batch_size, target_length, hidden_size)`): the base's states.
@@ -233,12 +231,7 @@ class FeatureDrafterModel(AdapterModelMixin, BaseModelWrapper):
         step_losses = []
         anchors = self.layer.inputs(states, embedded)  # (B, T, d): step 0's inputs
         for step in range(self.feature_config.training_depth):
-            if step == 0:
-                inputs = anchors
-            elif self.layer.mask_inputs is not None:  # at p, the input of anchor p - step plus a mask offset
-                inputs = F.pad(anchors[:, :-step], (0, 0, step, 0)) + self.layer.mask_inputs[step - 1]
-            else:
-                inputs = self.layer.inputs(read, embedded)  # (B, T, d)
+            inputs = anchors if step == 0 else self.layer.inputs(read, embedded)  # (B, T, d)
             predicted, fresh = self._unrolled_step(inputs, memories, encoder, step)
             memories.append(fresh)
             step_valid = valid.clone()

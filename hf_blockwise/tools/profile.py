@@ -26,10 +26,9 @@ import torch
 from torch import nn
 
 from hf_blockwise import blockwise_generate, greedy_divergences, quantize_dynamic_int8
-from hf_blockwise import engine as engine_module
 from hf_blockwise.drafters import feature, heads, trees
 from hf_blockwise.drafters.base import Drafter, likely_candidates
-from hf_blockwise.engine import CompileOptions, drop_compiled
+from hf_blockwise.engine import CompileOptions, drop_compiled, registry
 from hf_blockwise.evaluation.cost_curve import CAPTION, compiled_call, decoder_cost_curve
 from hf_blockwise.evaluation.harness import wall_clock
 from hf_blockwise.generation import loop, step
@@ -228,15 +227,15 @@ def _ms_per_call(call: Callable[[], None], calls: int) -> float:
 
 @contextmanager
 def _timing(totals: dict[str, float], drafter: Drafter | None, encoder: nn.Module) -> Iterator[None]:
-    """Times into `totals` (seconds and call counts), while the block runs: the loop's step, its decoder forward (with
-    the drafter's block when it drafts inside the verification call), the drafter's `get_candidates`, the compiled
+    """Times into `totals` (seconds and call counts), while the block runs: the loop's step, its decoder forward, the
+    drafter's `get_candidates`, the compiled
     objects' stale checks (`engine._kept`: the engine's and the drafting blocks' weight and module snapshots,
     compared once per `generate`; those made inside a step, a drafting block's on the first draft, apart) and the
     encoder's forward with the hooks before it (an int8 base's refresh of its int8 copies). Everything is put back
     after the block, raised or not."""
 
     in_step: list[bool] = [False]
-    active: set[str] = set()  # a timed function called inside one of the same name (run_decoder in verify_chain)
+    active: set[str] = set()  # a timed function called inside one of the same name
 
     def timed(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -264,11 +263,10 @@ def _timing(totals: dict[str, float], drafter: Drafter | None, encoder: nn.Modul
     def encoder_ends(*_: Any) -> None:
         totals["encoder"] += time.perf_counter() - started.pop()
 
-    originals = (loop.decode_step, step.run_decoder, step.verify_chain, engine_module._kept)
+    originals = (loop.decode_step, step.run_decoder, registry._kept)
     loop.decode_step = timed("step", loop.decode_step)  # called through the modules' globals
-    step.run_decoder = timed("verification", step.run_decoder)  # tree steps' and the first call's
-    step.verify_chain = timed("verification", step.verify_chain)  # chain steps' (with any drafting inside the call)
-    engine_module._kept = timed("stale checks", engine_module._kept)
+    step.run_decoder = timed("verification", step.run_decoder)  # every step's, and the first call's
+    registry._kept = timed("stale checks", registry._kept)
     hooks = [
         encoder.register_forward_pre_hook(encoder_starts, prepend=True),  # before the int8 refresh's hook
         encoder.register_forward_hook(encoder_ends, always_call=True),
@@ -278,7 +276,7 @@ def _timing(totals: dict[str, float], drafter: Drafter | None, encoder: nn.Modul
     try:
         yield
     finally:
-        loop.decode_step, step.run_decoder, step.verify_chain, engine_module._kept = originals
+        loop.decode_step, step.run_decoder, registry._kept = originals
         for hook in hooks:
             hook.remove()
         if drafter is not None:

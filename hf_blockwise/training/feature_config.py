@@ -21,10 +21,6 @@ class FeatureDrafterTrainingArguments(Seq2SeqTrainingArguments):
         eval_max_new_tokens (`int`, defaults to 128): length limit when evaluation decodes with the drafter.
         eval_decoding_batch_size (`int`, defaults to 32): batch size of that run.
         eval_decoding_samples (`int`, *optional*): decode only the first N evaluation examples.
-        train_mask_inputs_only (`bool`, defaults to `False`): for a parallel drafter, train its mask offsets alone and
-            keep the layer as it is (started from a trained sequential drafter, its first drafts keep their accuracy:
-            measured on `marian-base-en-de`, training the whole layer for the masks took its first-draft accuracy from
-            0.80 to 0.44 in 50 steps).
     """
 
     feature_loss_weight: float = field(default=1.0)
@@ -32,7 +28,6 @@ class FeatureDrafterTrainingArguments(Seq2SeqTrainingArguments):
     eval_max_new_tokens: int = field(default=128)
     eval_decoding_batch_size: int = field(default=32)
     eval_decoding_samples: int | None = field(default=None)
-    train_mask_inputs_only: bool = field(default=False)
 
     def __post_init__(self) -> None:
         for name in ("feature_loss_weight", "token_loss_weight"):

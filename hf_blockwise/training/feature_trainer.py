@@ -27,12 +27,7 @@ class FeatureDrafterTrainer(AdapterCheckpointMixin, StepMetricsTrainer):
     def __init__(self, model: FeatureDrafterModel, args: FeatureDrafterTrainingArguments, **kwargs: Any) -> None:
         check_trainer_inputs("FeatureDrafterTrainer", model, FeatureDrafterModel, args, FeatureDrafterTrainingArguments)
         model.base_model.requires_grad_(False)
-        model.layer.requires_grad_(not args.train_mask_inputs_only)
-        if args.train_mask_inputs_only:
-            if model.layer.mask_inputs is None:
-                raise ValueError("train_mask_inputs_only trains a parallel drafter's mask offsets; this drafter has "
-                                 "none (FeatureDrafterConfig.parallel_drafts is off)")  # fmt: skip
-            model.layer.mask_inputs.requires_grad_(True)
+        model.layer.requires_grad_(True)
         kwargs = with_pad_collator(kwargs, model.base_model.config.pad_token_id)
         super().__init__(model=model, args=args, **kwargs)
 

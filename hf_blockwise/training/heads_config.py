@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 from transformers import Seq2SeqTrainingArguments
 
-from hf_blockwise.renamed import renamed_names
 from hf_blockwise.training.common import prepare_eval_decoding
 
 HEAD_LOSSES = ("mean", "sampled")
@@ -63,4 +62,3 @@ class BlockwiseHeadsTrainingArguments(Seq2SeqTrainingArguments):
 
 
 # names before 0.2, kept for one release (with a FutureWarning)
-__getattr__ = renamed_names(__name__, globals(), {"BlockwiseTrainingArguments": "BlockwiseHeadsTrainingArguments"})

@@ -10,7 +10,6 @@ from torch import nn
 
 from hf_blockwise.boundary.trainer import AdapterCheckpointMixin
 from hf_blockwise.modeling.model import BlockwiseHeadsModel
-from hf_blockwise.renamed import renamed_names
 from hf_blockwise.training.common import StepMetricsTrainer, check_trainer_inputs, with_pad_collator
 from hf_blockwise.training.heads_config import BlockwiseHeadsTrainingArguments
 
@@ -82,4 +81,3 @@ class BlockwiseHeadsTrainer(AdapterCheckpointMixin, StepMetricsTrainer):
 
 
 # names before 0.2, kept for one release (with a FutureWarning)
-__getattr__ = renamed_names(__name__, globals(), {"BlockwiseTrainer": "BlockwiseHeadsTrainer"})

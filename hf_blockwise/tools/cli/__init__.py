@@ -30,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_generate_arguments(generate)
     generate.set_defaults(run=functools.partial(run_generate_command, generate))
-    profile = commands.add_parser("profile", help="where decoding's time goes: calls, a step's phases, divergences")
+    profile = commands.add_parser(
+        "profile", help="where decoding's time goes: calls, a step's phases, divergences, sampling's acceptance"
+    )
     add_profile_arguments(profile)
     profile.set_defaults(run=functools.partial(run_profile_command, profile))
     return parser

@@ -27,11 +27,13 @@ from hf_blockwise.tools.cli.demo import DEMO_SENTENCES
 
 
 def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `hf-blockwise profile` and of its three questions."""
+    """The flags of `hf-blockwise profile` and of its four questions (calls, step, divergences, acceptance)."""
     questions = parser.add_subparsers(dest="question", required=True)
     calls = questions.add_parser("calls", help="one decoder call of 1..N tokens against its weights' bytes' time")
     steps = questions.add_parser("step", help="a blockwise decode's time: verification, drafting, bookkeeping")
-    differ = questions.add_parser("divergences", help="where blockwise output departs from greedy, and the top-2 gap")
+    differ = questions.add_parser(
+        "divergences", help="where blockwise output departs from greedy, and the gap to greedy's best"
+    )
     accept = questions.add_parser(
         "acceptance", help="how often sampling keeps a first draft: speculative sampling against shared noise"
     )
@@ -78,12 +80,6 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
             action="store_true",
             help="with --compiled: each generate's first decoder call compiled too (CompileOptions.compiled_prefill)",
         )
-        question.add_argument(
-            "--drafting-in-verification",
-            action="store_true",
-            help="with --compiled: the drafter drafts inside the verification call, one call per step "
-            "(CompileOptions(drafting_in_verification=True))",
-        )
 
 
 def run_profile_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -120,18 +116,13 @@ def run_profile_command(parser: argparse.ArgumentParser, args: argparse.Namespac
         sources = (read_lines(source_file) if source_file else DEMO_SENTENCES)[: args.sentences]
     except ValueError as error:  # not UTF-8: the file, line and byte, and the iconv command
         parser.error(str(error))
-    if (args.compiled_prefill or args.drafting_in_verification) and not args.compiled:
-        parser.error(
-            "--compiled-prefill and --drafting-in-verification choose how the engine compiles: they need --compiled"
-        )
-    compiled = args.compiled and CompileOptions(
-        compiled_prefill=args.compiled_prefill, drafting_in_verification=args.drafting_in_verification
-    )
+    if args.compiled_prefill and not args.compiled:
+        parser.error("--compiled-prefill chooses how the engine compiles: it needs --compiled")
+    compiled = args.compiled and CompileOptions(compiled_prefill=args.compiled_prefill)
     weights = "int8" if args.int8 else "float32 base, int8 drafter" if args.int8_drafter else "float32"
     print(f"{model}, {len(sources)} sentences, batch 1, {threads} threads, {weights}, drafter {args.drafter}, "
           f"k = {drafter.block_size}" + (", compiled engine" if args.compiled else ", eager")
-          + (" (first call compiled too)" if args.compiled_prefill else "")
-          + (", drafting inside the verification call" if args.drafting_in_verification else ""))  # fmt: skip
+          + (" (first call compiled too)" if args.compiled_prefill else ""))  # fmt: skip
     if args.question == "step":
         _print_step_phases(loaded, sources, drafter, compiled, args)
         return 0
