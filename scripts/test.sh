@@ -11,4 +11,4 @@ lint-imports  # the import graph has no cycles ([tool.importlinter] in pyproject
 NO_MKDOCS_2_WARNING=1 python3 -m mkdocs build --strict --site-dir "$(mktemp -d)"  # the docs site, warnings are errors (no --quiet: mkdocs 1.6 would drop them before --strict counts them)
 # inductor compiles in the test process itself: no pool of compile workers per xdist worker on a 2-core machine
 export TORCHINDUCTOR_COMPILE_THREADS=1
-python3 -m pytest -q -p no:cacheprovider -n 2 --dist worksteal  # two workers (one torch thread each, conftest); an idle one takes queued tests
+python3 -m pytest -q -p no:cacheprovider -n 2 --dist worksteal --durations=20  # two workers (one torch thread each, conftest); an idle one takes queued tests

@@ -79,3 +79,33 @@ def test_the_api_reference_documents_every_public_name() -> None:
     documented = set(re.findall(r"^::: hf_blockwise\.(\w+)$", pages, re.MULTILINE))
     missing = sorted(set(hf_blockwise.__all__) - documented)
     assert not missing, f"add `::: hf_blockwise.NAME` lines for {missing} to a page of docs/api/"
+
+
+# a speed ratio as the pages quote it ("2.43x"): each one must stand in a bench report, where a repo command wrote it
+SPEED_RATIO = re.compile(r"(?<![\w.])\d+\.\d+x\b")
+QUOTING_PAGES = [
+    REPO / "README.md",
+    *(REPO / "docs" / name for name in ("index.md", "quickstart.md", "concepts.md", "models.md", "glossary.md")),
+    *sorted((REPO / "docs" / "guides").glob("*.md")),
+]
+
+
+def test_every_speed_ratio_the_pages_quote_stands_in_a_bench_report() -> None:
+    """The README, the overview pages and the guides quote speed ratios from the reports under `docs/bench/`
+    (`hf-blockwise bench` and the scripts write them, `scripts/benchmarks.sh` lists the commands): a ratio found in
+    none of them was typed by hand, or its report was regenerated since."""
+    reports = "\n".join(
+        path.read_text(encoding="utf-8", errors="replace")
+        for path in sorted((REPO / "docs" / "bench").rglob("*"))
+        if path.suffix in (".md", ".json", ".txt", ".csv")
+    )
+    unsourced = {
+        page.relative_to(REPO).as_posix(): missing
+        for page in QUOTING_PAGES
+        if (
+            missing := sorted(
+                set(SPEED_RATIO.findall(page.read_text(encoding="utf-8"))) - set(re.findall(r"\d+\.\d+x", reports))
+            )
+        )
+    }
+    assert not unsourced, f"speed ratios quoted but in no report under docs/bench/: {unsourced}"
