@@ -112,7 +112,9 @@ def greedy_divergences(
         One [`Divergence`] per departing position, by row then position; an empty list when the candidate is
         greedy's own output.
     """
-    kwargs = {key: value for key, value in generate_kwargs.items() if key not in ("max_new_tokens", "max_length")}
+    # greedy search over the candidate's length: the length, search and sampling arguments are this function's
+    set_here = ("max_new_tokens", "max_length", "do_sample", "num_beams")
+    kwargs = {key: value for key, value in generate_kwargs.items() if key not in set_here}
     config = model.generation_config
     eos = kwargs.get("eos_token_id", config.eos_token_id)
     eos_token_ids = set(torch.as_tensor(eos).reshape(-1).tolist()) if eos is not None else set()
