@@ -45,6 +45,11 @@ class NearTieTally:
 TALLY = NearTieTally()
 
 
+def _current_test() -> str:
+    """The running test's id, as pytest sets it in the environment (the summary names each near-tie by it)."""
+    return os.environ.get("PYTEST_CURRENT_TEST", "").removesuffix(" (call)")
+
+
 def assert_greedy_up_to_near_ties(
     model: Any,
     inputs: dict[str, torch.Tensor],
@@ -73,7 +78,7 @@ def assert_greedy_up_to_near_ties(
     assert divergences, f"outputs differ, yet the candidate is greedy's own path: {reference} vs {candidate}"
     not_ties = [divergence for divergence in divergences if not divergence.is_near_tie()]
     assert not not_ties, f"the output departs from greedy beyond a near-tie: {not_ties}"
-    where = os.environ.get("PYTEST_CURRENT_TEST", "").removesuffix(" (call)")
+    where = _current_test()
     TALLY.add(0, [(where, d.row, d.position, d.gap_in_spacings) for d in divergences])
     return divergences
 
@@ -82,7 +87,7 @@ def count_beam_ties(sequences_scores: torch.Tensor, swaps: list[tuple[int, float
     """Counts a beam comparison: each returned sequence compared, and each one that came back in another place of
     its group, its score tied with the one it swapped with (`swaps`: row and score gap, within the caller's
     tolerance), allowed as a near-tie, its gap given in float spacings of its score."""
-    where = os.environ.get("PYTEST_CURRENT_TEST", "").removesuffix(" (call)")
+    where = _current_test()
     allowed = []
     for row, gap in swaps:
         score = sequences_scores[row].abs().float()

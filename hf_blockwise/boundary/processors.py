@@ -166,8 +166,6 @@ class ForcedPathRecorder(LogitsProcessor):
         scores (`list[torch.Tensor]`): per step, the processed scores `(batch_size, vocab_size)` (a copy).
     """
 
-    row_local = True  # each row's forced token is its own
-
     def __init__(self, candidate: torch.Tensor) -> None:
         self.candidate = candidate
         self.scores: list[torch.Tensor] = []

@@ -4,9 +4,9 @@ Decoding a few tokens per call on a CPU is bound by moving the weights, not by a
 two costs on top: its float32 `linear` for a few rows goes through kernels that re-read the weights per row, and
 each of the decoder's few hundred small ops pays its own dispatch. The engine compiles transformers' own decoder
 forward (no modeling code of ours) with inductor: on CPU with `freezing`, so the weights are packed once and a call
-that feeds 8 tokens costs about what one costs, its float linears on inductor's C++ GEMM template (the libraries
-read a few rows' weights at a third of the memory's speed on the EPYC: [`CompileOptions.gemm_template`]); on CUDA
-with mode `reduce-overhead` (CUDA graphs).
+that feeds up to ~6 tokens costs about what one costs (`docs/bench/call-cost-curves-1-16.md`), its float linears on
+inductor's C++ GEMM template (the libraries read a few rows' weights at a third of the memory's speed on the EPYC:
+[`CompileOptions.gemm_template`]); on CUDA with mode `reduce-overhead` (CUDA graphs).
 
 What keeps the compiled graph from recompiling during a call:
 
