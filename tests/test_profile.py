@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import save_with_random_heads
 
-from hf_blockwise.drafters import feature, heads, trees
+from hf_blockwise.drafters import feature_block, heads, trees
 from hf_blockwise.engine import CompileOptions, registry
 from hf_blockwise.generation import loop, step
 from hf_blockwise.loading import load_model
@@ -128,7 +128,16 @@ def test_sampling_acceptance_compares_the_two_constructions_on_first_drafts(save
     shared = rows["shared noise, the loop's (expected over 2000 draws)"]
     assert 0 < shared <= speculative + 0.02 and speculative <= 1
     assert 0 <= rows["shared noise, these decodes"] <= 1
-    assert feature.drafted_candidates is heads.drafted_candidates is trees.drafted_candidates
+    assert feature_block.drafted_candidates is heads.drafted_candidates is trees.drafted_candidates
+
+
+def test_sampling_acceptance_reads_the_feature_drafters_first_drafts(saved_model: str) -> None:
+    """The feature drafter draws its chains in its drafting block: each step's first draft is recorded there too."""
+    loaded = load_model(saved_model)
+    drafter = FeatureDrafterModel(loaded.base, FeatureDrafterConfig(block_size=3)).eval().drafter()
+    sources = ["w5 w6 w7", "w9 w10"]
+    measured = profile.sampling_acceptance(loaded.base, loaded.tokenizer, sources, drafter, 1.5, 1.0, 10, draws=50)
+    assert measured.drafts >= 10 and 0 <= measured.shared_noise <= 1
 
 
 def test_profile_usage_errors_name_what_is_wrong(saved_model: str, tmp_path, capsys) -> None:

@@ -26,6 +26,7 @@ from hf_blockwise import (
     BlockwiseHeadsConfig,
     BlockwiseHeadsModel,
     Drafter,
+    DraftNoise,
     DraftRequest,
     Drafts,
     FeatureDrafterConfig,
@@ -126,7 +127,8 @@ class SelfDrafter(Drafter):
                 attention_mask=self.encoder_batch["attention_mask"][rows],
                 decoder_input_ids=self._placed(fed, lengths, index),
             ).logits.gather(1, at)[:, 0]  # (b, V): the logits that decide position lengths + index
-            noise = request.sampling.at(lengths + index + self.shift, None, logits.shape[-1])  # (b, V)
+            at = (lengths + index + self.shift)[:, None]
+            noise = request.sampling.noise(at, torch.arange(logits.shape[-1]))[:, 0]  # (b, V)
             drafts.append((logits / request.sampling.temperature + noise).argmax(dim=-1))
         tokens = torch.stack(drafts, dim=1)
         return Drafts(tokens=tokens, lengths=torch.full_like(lengths, self.block_size - 1))
@@ -174,7 +176,8 @@ def test_drafters_draft_what_sampling_draws_on_the_calls_noise(tiny_models) -> N
 
 def test_the_noise_of_kept_tokens_alone_is_the_whole_vocabularys_noise_there() -> None:
     """`perturbed_scores` hashes the noise of the tokens the warpers keep only: bit for bit the whole vocabulary's
-    noise at those tokens, `-inf` elsewhere; a drafter's candidates get the same draws (`DraftNoise.choose`)."""
+    noise at those tokens, `-inf` elsewhere; a drafter's candidates get the same draws (`DraftNoise.noise`, what
+    `drafted_candidates` draws with)."""
     generator = torch.Generator().manual_seed(0)
     scores = torch.randn(3, 4, 500, generator=generator)
     rows, positions = torch.tensor([0, 2, 5]), torch.randint(1, 40, (3, 4), generator=generator)
@@ -187,6 +190,8 @@ def test_the_noise_of_kept_tokens_alone_is_the_whole_vocabularys_noise_there() -
     candidates = torch.randint(500, (3, 4, 7), generator=generator)  # per-row token ids broadcast against the keys
     picked = shared_gumbel_noise(11, rows, positions, 0, candidates)
     assert torch.equal(picked, shared_gumbel_noise(11, rows, positions, 500).gather(-1, candidates))
+    drafts = DraftNoise(seed=11, rows=rows, temperature=1.0)
+    assert torch.equal(drafts.noise(positions, candidates), picked)
 
 
 def _sampled_rows(base, rows: int, seed: int, **kwargs) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from hf_blockwise.compile_options import CompileOptions
+from hf_blockwise.shared_noise import gumbel, position_keys
 
 
 @dataclass(frozen=True)
@@ -64,52 +65,25 @@ class DraftNoise:
     output is the undrafted sample's either way.
 
     Attributes:
-        noise (`Callable[[torch.Tensor, torch.Tensor], torch.Tensor]`): positions `(b, n)` (each the length of the
-            prefix the token follows, decoder start included) and token ids, `(S,)` or per position `(b, n, S)` ->
-            the noise `(b, n, S)`.
+        seed (`int`): the call's seed.
+        rows (`torch.LongTensor` of shape `(b,)`): each request row's index in the caller's batch.
         temperature (`float`): the call's temperature (1.0 without one); the other warpers are not applied.
     """
 
-    noise: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    seed: int
+    rows: torch.Tensor
     temperature: float
 
-    def at(self, positions: torch.Tensor, token_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
-        """The noise a drafter adds to its logits over the temperature, over its whole vocabulary (or shortlist).
+    def keys(self, positions: torch.Tensor) -> torch.Tensor:
+        """The key of each draft's noise ([`shared_noise.position_keys`]): positions `(b,)` or `(b, n)` (each the
+        length of the prefix the draft follows, decoder start included) -> int64 keys of the same shape, which
+        [`drafted_candidates`] (`drafters/trees.py`) draws with."""
+        return position_keys(self.seed, self.rows, positions)
 
-        Args:
-            positions (`torch.LongTensor` of shape `(b,)` or `(b, n)`): the position each draft takes.
-            token_ids (`torch.LongTensor` of shape `(S,)`, *optional*): the drafter's shortlist; `None`: the whole
-                vocabulary of `vocab_size` tokens.
-
-        Returns:
-            `torch.FloatTensor` of shape `(b, S)` or `(b, n, S)`.
-        """
-        ids = torch.arange(vocab_size, device=positions.device) if token_ids is None else token_ids
-        one_each = positions.dim() == 1
-        noise = self.noise(positions[:, None] if one_each else positions, ids)  # (b, n, S)
-        return noise[:, 0] if one_each else noise
-
-    def choose(self, logits: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
-        """Each row's draft, drawn by [`draw_among_likely`] with the noise hashed for its candidates only (hashing a
-        whole vocabulary at every draft of 16 rows cost more than the drafting).
-
-        Args:
-            logits (`torch.Tensor` of shape `(b, S)` or `(b, n, S)`): over the vocabulary, or the shortlist
-                `token_ids` (`(S,)`).
-            positions (`torch.LongTensor` of shape `(b,)` or `(b, n)`): the position each draft takes.
-
-        Returns:
-            `torch.LongTensor` of shape `(b, 1)` or `(b, n, 1)`: indices into `logits`' last dimension.
-        """
-        one_each = positions.dim() == 1
-        if one_each:
-            logits, positions = logits[:, None], positions[:, None]
-
-        def noise_of(index: torch.Tensor) -> torch.Tensor:  # (b, n, K) indices into the logits -> their noise
-            return self.noise(positions, index if token_ids is None else token_ids[index])
-
-        best = draw_among_likely(logits, self.temperature, noise_of)  # (b, n, 1)
-        return best[:, 0] if one_each else best
+    def noise(self, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """The noise of `token_ids` (`(S,)`, or per position `(b, n, S)`) at positions `(b, n)`: `(b, n, S)`, what the
+        verification adds to the model's scores there."""
+        return gumbel(self.keys(positions)[..., None], token_ids)
 
 
 def likely_candidates(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

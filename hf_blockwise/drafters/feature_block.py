@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 from hf_blockwise.boundary import decoder_input_embeddings, output_projection_logits
 from hf_blockwise.drafters.heads import ShortlistProjection
-from hf_blockwise.drafters.trees import expanded_depths, ranked_candidates, select_tree_tensors
+from hf_blockwise.drafters.trees import drafted_candidates, expanded_depths, select_tree_tensors
 from hf_blockwise.quantization import Int8Linear, is_int8
 
 
@@ -57,9 +57,9 @@ class AttentionMemory:
 
 
 class FeatureDraftBlock(nn.Module):
-    """The feature drafter's take-in and `num_drafts` drafts as one module over fixed-capacity buffers, for
-    `torch.compile`: no host reads, no shapes that depend on values, the drafts unrolled and the shortlist
-    projection inside (the eager [`FeatureDrafter`] does the same work op by op).
+    """The feature drafter's take-in and `num_drafts` drafts as one module over its key/value buffers: the one
+    drafting implementation, compiled (`torch.compile`: no host reads, no shapes that depend on values, the drafts
+    unrolled and the shortlist projection inside) or run as a plain module.
 
     Args:
         model ([`FeatureDrafterModel`]): its layer, and the base's token embeddings and output projection.
@@ -112,7 +112,7 @@ class FeatureDraftBlock(nn.Module):
         encoder_keys: torch.Tensor | None,
         encoder_values: torch.Tensor | None,
         encoder_mask: torch.Tensor | None,
-        noise: torch.Tensor | None = None,
+        draft_keys: torch.Tensor | None = None,
         temperature: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """
@@ -124,9 +124,10 @@ class FeatureDraftBlock(nn.Module):
             keys, values (`torch.Tensor` of shape `(b, H, C, d/H)`): the drafter's cache, written in place; slots
                 before `start` hold verified positions of every row, `C >= start + W + num_drafts`.
             encoder_keys, encoder_values, encoder_mask: the cross-attention memory, or `None`s without one.
-            noise (`torch.FloatTensor` of shape `(b, num_drafts, S)`, *optional*): a sampling call's noise at each
-                draft's position over the drafter's vocabulary (or shortlist); chains then draft `argmax(logits /
-                temperature + noise)` ([`ranked_candidates`]).
+            draft_keys (`torch.LongTensor` of shape `(b, num_drafts)`, *optional*): a sampling call's noise keys at
+                each draft's position ([`DraftNoise.keys`]); chains then draft what sampling would draw from the
+                drafter's distribution ([`drafted_candidates`]).
+            temperature (`float`, defaults to 1.0): the sampling call's temperature.
 
         Returns:
             tokens (`torch.LongTensor` of shape `(b, num_drafts, branching)`): each depth's best tokens, best first
@@ -136,7 +137,7 @@ class FeatureDraftBlock(nn.Module):
         columns = torch.arange(states.shape[1], device=states.device)  # (W,)
         follow = sequences[:, (start + 1 + columns).clamp(max=sequences.shape[1] - 1)]  # (b, W)
         encoder = None if encoder_keys is None else AttentionMemory(encoder_keys, encoder_values, encoder_mask)
-        return self._take_in_and_draft(states, follow, num_valid, start, keys, values, encoder, noise, temperature)
+        return self._take_in_and_draft(states, follow, num_valid, start, keys, values, encoder, draft_keys, temperature)
 
     def _take_in_and_draft(
         self,
@@ -147,7 +148,7 @@ class FeatureDraftBlock(nn.Module):
         keys: torch.Tensor,
         values: torch.Tensor,
         encoder: AttentionMemory | None,
-        noise: torch.Tensor | None,
+        draft_keys: torch.Tensor | None,
         temperature: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunk `(b, W, d)` with the token after each column (`follow`, `(b, W)`) taken in at slots `start..`,
@@ -166,7 +167,9 @@ class FeatureDraftBlock(nn.Module):
             return self._grow(predicted, lengths, filled, keys, values, encoder)
         tokens, probabilities = [], []
         for index in range(self.num_drafts):
-            ranked, probability = self._choose(predicted, None if noise is None else noise[:, index], temperature)
+            ranked, probability = self._choose(
+                predicted, None if draft_keys is None else draft_keys[:, index], temperature
+            )
             tokens.append(ranked)  # (b, m), with `probability` (b, m)
             probabilities.append(probability)
             token = ranked[:, 0]
@@ -260,18 +263,17 @@ class FeatureDraftBlock(nn.Module):
         return layer(inputs, normed, AttentionMemory(keys, values, visible), encoder)
 
     def _choose(
-        self, predicted: torch.Tensor, noise: torch.Tensor | None = None, temperature: float = 1.0
+        self, predicted: torch.Tensor, keys: torch.Tensor | None = None, temperature: float = 1.0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's `branching` best drafts from its predicted state `(b, d)`, with their probabilities (a chain's
-        token drawn on a sampling call's `noise`, `(b, S)`, when given)."""
+        token drawn on a sampling call's noise under `keys`, `(b,)`, when given)."""
         if self.weight is None:
             logits = output_projection_logits(self.base_model, predicted)  # (b, V)
-            return ranked_candidates(logits, None, self.branching, noise, temperature)
-        if self.int8_projection is not None:
+        elif self.int8_projection is not None:
             logits = self.int8_projection(predicted)  # (b, S)
         else:
             logits = F.linear(predicted.to(self.weight.dtype), self.weight, self.bias)  # (b, S)
-        return ranked_candidates(logits, self.token_ids, self.branching, noise, temperature)
+        return drafted_candidates(logits, self.token_ids, self.branching, keys, temperature)
 
 
 def _int8_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:

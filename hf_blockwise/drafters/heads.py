@@ -149,7 +149,9 @@ class HeadsDrafter(Drafter):
             weight, bias = projection.weight, projection.bias
             logits = torch.nn.functional.linear(head_states.to(weight.dtype), weight, bias)
         token_ids = None if projection is None else projection.token_ids
-        return drafted_candidates(logits, token_ids, self.branching, sampling, positions)
+        if sampling is None or positions is None:
+            return drafted_candidates(logits, token_ids, self.branching)
+        return drafted_candidates(logits, token_ids, self.branching, sampling.keys(positions), sampling.temperature)
 
     def _draft_sequentially(
         self,

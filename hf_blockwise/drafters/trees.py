@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from hf_blockwise.drafters.base import DraftNoise, Drafts, draw_among_likely
+from hf_blockwise.drafters.base import Drafts, draw_among_likely
+from hf_blockwise.shared_noise import gumbel
 
 
 def tree_candidates(num_drafts: int, branching: int, frontier: int) -> int:
@@ -127,20 +128,23 @@ def select_tree_tensors(
     return tokens.gather(1, order), new_parents
 
 
-def ranked_candidates(
+def drafted_candidates(
     logits: torch.Tensor,
     token_ids: torch.Tensor | None,
     branching: int,
-    noise: torch.Tensor | None = None,
+    keys: torch.Tensor | None = None,
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A drafter's `branching` best tokens and their probabilities, best first.
+    """A drafter's `branching` best tokens and their probabilities, best first: how every drafter chooses, eagerly
+    and in the compiled drafting block.
 
     Args:
         logits (`torch.Tensor` of shape `(..., S)`): over the vocabulary, or over a shortlist `token_ids` (`(S,)`).
-        noise (`torch.FloatTensor` of the shape of `logits`, *optional*): a sampling call's noise at these logits'
-            positions ([`DraftNoise.at`]); with `branching` 1 the token is then drawn by [`draw_among_likely`], as
-            the eager drafters draw it ([`DraftNoise.choose`]).
+        keys (`torch.LongTensor` of shape `logits.shape[:-1]`, *optional*): a sampling call's noise keys at these
+            logits' positions ([`DraftNoise.keys`]); with `branching` 1 the token is then the one sampling would
+            draw from the drafter's distribution ([`draw_among_likely`], the noise hashed for the likely tokens
+            only: hashing a whole vocabulary at every draft of 16 rows cost more than the drafting).
+        temperature (`float`, defaults to 1.0): the sampling call's temperature.
 
     Returns:
         tokens (`torch.LongTensor` of shape `(..., branching)`) and probabilities (`torch.FloatTensor`, same shape);
@@ -150,33 +154,16 @@ def ranked_candidates(
     if branching > 1:  # trees rank by the drafter's own probabilities, sampling or not
         top, best = probabilities.topk(branching, dim=-1)
     else:
-        if noise is None:
+        if keys is None:
             best = logits.argmax(dim=-1, keepdim=True)
         else:
-            best = draw_among_likely(logits, temperature, lambda index: noise.gather(-1, index))
+
+            def noise_of(index: torch.Tensor) -> torch.Tensor:  # (..., K) indices into the logits -> their noise
+                return gumbel(keys[..., None], index if token_ids is None else token_ids[index])
+
+            best = draw_among_likely(logits, temperature, noise_of)
         top = probabilities.gather(-1, best)
     return (best if token_ids is None else token_ids[best]), top
-
-
-def drafted_candidates(
-    logits: torch.Tensor,
-    token_ids: torch.Tensor | None,
-    branching: int,
-    sampling: DraftNoise | None = None,
-    positions: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """An eager drafter's candidates from its logits: [`ranked_candidates`], or in a sampling call a chain's token
-    ([`DraftNoise.choose`], the noise hashed for its likely tokens only) and its probability under the drafter.
-
-    Args:
-        logits (`torch.Tensor` of shape `(..., S)`), positions (`torch.LongTensor` of shape `logits.shape[:-1]`,
-            *optional*): where each draft goes, for `sampling`.
-    """
-    if sampling is None or positions is None or branching > 1:
-        return ranked_candidates(logits, token_ids, branching)
-    best = sampling.choose(logits, positions, token_ids)  # (..., 1)
-    probability = logits.float().softmax(dim=-1).gather(-1, best)
-    return (best if token_ids is None else token_ids[best]), probability
 
 
 def expanded_depths(num_drafts: int, branching: int, frontier: int, device: torch.device) -> torch.Tensor:

@@ -3,11 +3,12 @@
 The Gumbel-max trick: `argmax(scores + g)`, with `g` independent standard Gumbel noise per token, is a sample of
 `softmax(scores)` (the scores' normalization is a constant per row, which the argmax ignores). Here the noise of a
 row at a position is a fixed function of the call's seed, the row's index in the caller's batch, the position and
-the token ([`shared_gumbel_noise`], a counter-based hash: no random state is consumed as decoding goes). So a
-verification call that scores k positions perturbs each as a one-token call at that position would, and the loop's
-exact acceptance (a draft is kept where it is the argmax) keeps exactly the tokens sampling one at a time would
-draw: the output with drafts is the output without them, token for token, and each token is drawn from the warped
-distribution `generate` builds from the generation config (`temperature`, `top_k`, `top_p`, `min_p`, ...).
+the token ([`shared_gumbel_noise`], a counter-based hash of `shared_noise.py`: no random state is consumed as
+decoding goes). So a verification call that scores k positions perturbs each as a one-token call at that position
+would, and the loop's exact acceptance (a draft is kept where it is the argmax) keeps exactly the tokens sampling
+one at a time would draw: the output with drafts is the output without them, token for token, and each token is
+drawn from the warped distribution `generate` builds from the generation config (`temperature`, `top_k`, `top_p`,
+`min_p`, ...).
 
 This stream is not transformers' `torch.multinomial` stream: the same distribution, other tokens than
 transformers' own sampling for the same `torch.manual_seed`.
@@ -18,24 +19,7 @@ from __future__ import annotations
 import torch
 
 from hf_blockwise.drafters.base import DraftNoise
-
-# splitmix64's constants, as signed 64-bit integers (torch has no uint64 arithmetic on CPU): products wrap
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
-_MIX_1 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_MIX_2 = 0x94D049BB133111EB - (1 << 64)
-
-
-def _shift_right(value: torch.Tensor, bits: int) -> torch.Tensor:
-    """A logical right shift of int64 values (torch's `>>` is arithmetic: it copies the sign bit)."""
-    return (value >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def _mix(value: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finalizer: a bijection of 64-bit integers whose outputs look independent for nearby inputs."""
-    value = value + _GOLDEN
-    value = (value ^ _shift_right(value, 30)) * _MIX_1
-    value = (value ^ _shift_right(value, 27)) * _MIX_2
-    return value ^ _shift_right(value, 31)
+from hf_blockwise.shared_noise import gumbel, position_keys
 
 
 def shared_gumbel_noise(
@@ -57,29 +41,13 @@ def shared_gumbel_noise(
     """
     device = positions.device
     tokens = torch.arange(vocab_size, device=device) if token_ids is None else token_ids.to(device)
-    return _gumbel(_position_keys(seed, rows, positions)[..., None], tokens)  # (b, n, V)
-
-
-def _position_keys(seed: int, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """A 64-bit key per (row, position) of a call, shape `(b, n)`: the noise of a token is a hash of it and the key."""
-    row_keys = _mix(torch.full_like(rows, seed, device=positions.device) ^ _mix(rows.to(positions.device)))  # (b,)
-    return _mix(row_keys[:, None] ^ _mix(positions))
-
-
-def _gumbel(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Standard Gumbel noise of `tokens` under `keys` (broadcast together), as float32."""
-    bits = _shift_right(_mix(keys ^ tokens), 11)  # 53 random bits
-    uniform = (bits.double() + 0.5) * 2.0**-53  # in (0, 1)
-    return (-torch.log(-torch.log(uniform))).float()
+    return gumbel(position_keys(seed, rows, positions)[..., None], tokens)  # (b, n, V)
 
 
 def draft_noise(seed: int, rows: torch.Tensor, temperature: float) -> DraftNoise:
     """The call's shared noise as drafters read it ([`DraftNoise`]): the same draws the verification adds."""
 
-    def noise(positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        return shared_gumbel_noise(seed, rows, positions, 0, token_ids)
-
-    return DraftNoise(noise=noise, temperature=temperature)
+    return DraftNoise(seed=seed, rows=rows, temperature=temperature)
 
 
 def perturbed_scores(scores: torch.Tensor, seed: int, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -101,9 +69,9 @@ def perturbed_scores(scores: torch.Tensor, seed: int, rows: torch.Tensor, positi
     # the noise of the kept tokens only, each the value the whole vocabulary's noise holds there: hashing 16 rows of
     # a 16k vocabulary took ~6 ms a step, more than the decoder call at batch 16
     row, column, token = kept.nonzero(as_tuple=True)
-    keys = _position_keys(seed, rows, positions)[row, column]  # (K,)
+    keys = position_keys(seed, rows, positions)[row, column]  # (K,)
     perturbed = torch.full_like(scores, float("-inf"))
-    perturbed[row, column, token] = scores[row, column, token] + _gumbel(keys, token)
+    perturbed[row, column, token] = scores[row, column, token] + gumbel(keys, token)
     return perturbed
 
 

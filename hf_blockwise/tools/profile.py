@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hf_blockwise import blockwise_generate, greedy_divergences, quantize_dynamic_int8
-from hf_blockwise.drafters import feature, heads, trees
+from hf_blockwise.drafters import feature_block, heads, trees
 from hf_blockwise.drafters.base import Drafter, likely_candidates
 from hf_blockwise.engine import CompileOptions, drop_compiled, registry
 from hf_blockwise.evaluation.cost_curve import CAPTION, compiled_call, decoder_cost_curve
@@ -466,34 +466,35 @@ def _first_drafts(drafter: Drafter, records: list[tuple[int, int, torch.Tensor, 
     """While open, appends to `records` each sampling step's first draft of an eager chain drafter (the draft that
     follows the verified prefix): its position, the token drafted, and the proposal it was drawn from (the ids and
     probabilities of [`draw_among_likely`]'s candidates), by wrapping `drafted_candidates` where the heads and the
-    feature drafter call it."""
+    feature drafter's block call it. A draw is a first draft where its noise key is the one at the row's length."""
     steps: dict[str, torch.Tensor] = {}
     original_candidates = drafter.get_candidates
 
     def get_candidates(request: Any) -> Any:
         steps["lengths"] = request.lengths
+        steps["keys"] = request.sampling.keys(request.lengths)  # (b,): the first drafts' noise keys
         return original_candidates(request)
 
     def recording(
-        logits: torch.Tensor, token_ids: torch.Tensor | None, branching: int, sampling: Any = None,
-        positions: torch.Tensor | None = None,
+        logits: torch.Tensor, token_ids: torch.Tensor | None, branching: int, keys: torch.Tensor | None = None,
+        temperature: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        drafted = trees.drafted_candidates(logits, token_ids, branching, sampling, positions)
-        if sampling is not None and positions is not None:
-            one_each = positions.dim() == 1  # heads draft every depth at once: (b, n); the first is depth 0
-            first, first_logits = (positions, logits) if one_each else (positions[:, 0], logits[:, 0])
+        drafted = trees.drafted_candidates(logits, token_ids, branching, keys, temperature)
+        if keys is not None and branching == 1:
+            one_each = keys.dim() == 1  # heads draft every depth at once: (b, n); the first is depth 0
+            first, first_logits = (keys, logits) if one_each else (keys[:, 0], logits[:, 0])
             draft = drafted[0][..., 0] if one_each else drafted[0][:, 0, 0]  # (b,)
             values, indices = likely_candidates(first_logits)  # (b, K): what the draft was drawn among
             ids = indices if token_ids is None else token_ids[indices]
-            proposal = (values / sampling.temperature).softmax(dim=-1)
-            for row in (first == steps["lengths"]).nonzero().flatten().tolist():
-                records.append((int(first[row]), int(draft[row]), ids[row], proposal[row]))
+            proposal = (values / temperature).softmax(dim=-1)
+            for row in (first == steps["keys"]).nonzero().flatten().tolist():
+                records.append((int(steps["lengths"][row]), int(draft[row]), ids[row], proposal[row]))
         return drafted
 
     drafter.get_candidates = get_candidates  # an instance attribute over the method, deleted below
-    feature.drafted_candidates = heads.drafted_candidates = recording
+    feature_block.drafted_candidates = heads.drafted_candidates = recording
     try:
         yield
     finally:
         del drafter.get_candidates
-        feature.drafted_candidates = heads.drafted_candidates = trees.drafted_candidates
+        feature_block.drafted_candidates = heads.drafted_candidates = trees.drafted_candidates
