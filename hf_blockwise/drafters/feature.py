@@ -239,9 +239,9 @@ class FeatureDrafter(Drafter):
         room = self.block_size + (self.block_size - 1) * self.frontier  # drafted slots after the chunk
         needed = verified.start + width + room
         self._reserve(cache, states, needed=needed, rounding=sequences.shape[1])
-        keys, values = (
-            (cache.keys, cache.values) if compiled else (cache.keys[:, :, :needed], cache.values[:, :, :needed])
-        )
+        keys, values = cache.keys, cache.values
+        if not compiled:  # views of the used slots: the block's writes reach the buffers
+            keys, values = keys[:, :, :needed], values[:, :, :needed]
         encoder = cache.encoder
         start = torch.tensor(verified.start, device=states.device)
         draft_keys, temperature = self._draft_keys(request)
