@@ -47,3 +47,25 @@ def gumbel(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     bits = _shift_right(_mix(keys ^ tokens), 11)  # 53 random bits
     uniform = (bits.double() + 0.5) * 2.0**-53  # in (0, 1)
     return (-torch.log(-torch.log(uniform))).float()
+
+
+def shared_gumbel_noise(
+    seed: int, rows: torch.Tensor, positions: torch.Tensor, vocab_size: int, token_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Standard Gumbel noise that depends on (seed, row, position, token) only.
+
+    Args:
+        seed (`int`): the call's seed.
+        rows (`torch.LongTensor` of shape `(b,)`): each row's index in the caller's batch.
+        positions (`torch.LongTensor` of shape `(b, n)`): the position of the token each score vector decides
+            (the length of its prefix, decoder start included).
+        vocab_size (`int`): the noise of tokens `0..vocab_size - 1`, unless `token_ids` is given.
+        token_ids (`torch.LongTensor` of shape `(S,)` or per position `(b, n, S)`, *optional*): the noise of these
+            tokens only (a drafter's shortlist or candidates): what the full vocabulary's noise holds at those ids.
+
+    Returns:
+        `torch.FloatTensor` of shape `(b, n, vocab_size)`, or `(b, n, S)` with `token_ids`.
+    """
+    device = positions.device
+    tokens = torch.arange(vocab_size, device=device) if token_ids is None else token_ids.to(device)
+    return gumbel(position_keys(seed, rows, positions)[..., None], tokens)  # (b, n, V)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from hf_blockwise.compile_options import CompileOptions
-from hf_blockwise.shared_noise import gumbel, position_keys
+from hf_blockwise.shared_noise import position_keys, shared_gumbel_noise
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class DraftNoise:
     def noise(self, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """The noise of `token_ids` (`(S,)`, or per position `(b, n, S)`) at positions `(b, n)`: `(b, n, S)`, what the
         verification adds to the model's scores there."""
-        return gumbel(self.keys(positions)[..., None], token_ids)
+        return shared_gumbel_noise(self.seed, self.rows, positions, 0, token_ids)
 
 
 def likely_candidates(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

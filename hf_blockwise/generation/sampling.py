@@ -19,29 +19,7 @@ from __future__ import annotations
 import torch
 
 from hf_blockwise.drafters.base import DraftNoise
-from hf_blockwise.shared_noise import gumbel, position_keys
-
-
-def shared_gumbel_noise(
-    seed: int, rows: torch.Tensor, positions: torch.Tensor, vocab_size: int, token_ids: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Standard Gumbel noise that depends on (seed, row, position, token) only.
-
-    Args:
-        seed (`int`): the call's seed.
-        rows (`torch.LongTensor` of shape `(b,)`): each row's index in the caller's batch.
-        positions (`torch.LongTensor` of shape `(b, n)`): the position of the token each score vector decides
-            (the length of its prefix, decoder start included).
-        vocab_size (`int`): the noise of tokens `0..vocab_size - 1`, unless `token_ids` is given.
-        token_ids (`torch.LongTensor` of shape `(S,)`, *optional*): the noise of these tokens only (a drafter's
-            vocabulary shortlist): what the full vocabulary's noise holds at those ids.
-
-    Returns:
-        `torch.FloatTensor` of shape `(b, n, vocab_size)`, or `(b, n, S)` with `token_ids`.
-    """
-    device = positions.device
-    tokens = torch.arange(vocab_size, device=device) if token_ids is None else token_ids.to(device)
-    return gumbel(position_keys(seed, rows, positions)[..., None], tokens)  # (b, n, V)
+from hf_blockwise.shared_noise import gumbel, position_keys, shared_gumbel_noise
 
 
 def draft_noise(seed: int, rows: torch.Tensor, temperature: float) -> DraftNoise:

@@ -457,7 +457,7 @@ def chain_step(state: DecodingState, setup: DecodingSetup, request: DraftRequest
         decided = perturbed_scores(scores, setup.sampling_seed, state.rows, state.cache_length + columns + 1)
     new_tokens, num_accepted = verify(decided, feed, setup, columns)
     raw = logits.gather(1, columns[..., None].expand(-1, -1, logits.shape[-1])) if setup.output_logits else None
-    return conclude(state, setup, request, feed, new_tokens, num_accepted, states, (scores, raw))
+    return conclude(state, setup, feed, new_tokens, num_accepted, states, (scores, raw))
 
 
 def tree_step(state: DecodingState, setup: DecodingSetup, request: DraftRequest, drafts: Drafts) -> DecodingState:
@@ -472,13 +472,12 @@ def tree_step(state: DecodingState, setup: DecodingSetup, request: DraftRequest,
     hf.compact_cache(state.cache, state.cache_length, path)
     if states is not None:
         states = states.gather(1, path[..., None].expand(-1, -1, states.shape[2]))  # (b, W, d), along the path
-    return conclude(state, setup, request, feed, new_tokens[:, : setup.block_size], num_accepted, states)
+    return conclude(state, setup, feed, new_tokens[:, : setup.block_size], num_accepted, states)
 
 
 def conclude(
     state: DecodingState,
     setup: DecodingSetup,
-    request: DraftRequest,
     feed: StepFeed,
     new_tokens: torch.Tensor,
     num_accepted: torch.Tensor,
