@@ -24,10 +24,12 @@ from hf_blockwise import boundary as hf
 from hf_blockwise import engine as engine_module
 from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts, NoDrafter
 from hf_blockwise.drafters.feature import FeatureDrafter
+from hf_blockwise.drafters.heads import HeadsDrafter
 from hf_blockwise.engine import CompileOptions, compiled_decoder, drop_compiled, engine_of
 from hf_blockwise.evaluation.harness import measure
-from hf_blockwise.modeling.config import FeatureDrafterConfig
+from hf_blockwise.modeling.config import BlockwiseHeadsConfig, FeatureDrafterConfig
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
+from hf_blockwise.modeling.model import BlockwiseHeadsModel
 from hf_blockwise.snapshot import SAMPLE_STEP, ModuleState, TensorSnapshot
 
 
@@ -401,13 +403,13 @@ def test_state_reading_drafter_gets_states_from_the_compiled_graph(compiled_mode
     assert_greedy_up_to_near_ties(base, batch, eager_drafted, drafted, max_new_tokens=20)
 
 
-class _TwinFeatureDrafter(Drafter):
-    """Runs the eager and the compiled feature drafting side by side on the same requests (each with its own
-    per-call state), records both, and drafts with the compiled one."""
+class _TwinDrafter(Drafter):
+    """Runs a drafter's eager and compiled drafting side by side on the same requests (each with its own per-call
+    state), records both, and drafts with the compiled one."""
 
     reads_decoder_states = True
 
-    def __init__(self, drafter: FeatureDrafter) -> None:
+    def __init__(self, drafter: FeatureDrafter | HeadsDrafter) -> None:
         self.drafter, self.block_size, self.pairs = drafter, drafter.block_size, []
 
     def prepare(self, encoder_input_ids, encoder_attention_mask):
@@ -418,7 +420,7 @@ class _TwinFeatureDrafter(Drafter):
 
     def get_candidates(self, request: DraftRequest) -> Drafts:
         assert request.compile is not None
-        eager_state, compiled_state = request.drafter_state
+        eager_state, compiled_state = self.last_state = request.drafter_state
         eager = self.drafter.get_candidates(dataclasses.replace(request, drafter_state=eager_state, compile=None))
         compiled = self.drafter.get_candidates(dataclasses.replace(request, drafter_state=compiled_state))
         self.pairs.append((eager, compiled, request.max_drafts))
@@ -440,7 +442,7 @@ def test_compiled_feature_drafting_drafts_what_the_eager_drafter_drafts(compiled
     drafter_model = FeatureDrafterModel(base, config).eval()
     with torch.no_grad():  # confident drafts, some above the threshold and some below (random ones are all near 0.1)
         drafter_model.layer.out.weight.mul_(8.0)
-    twin = _TwinFeatureDrafter(drafter_model.drafter(threshold=threshold))
+    twin = _TwinDrafter(drafter_model.drafter(threshold=threshold))
     for seed in (12, 13, 14):  # batch 1: where the compiled block drafts
         batch = random_batch(base, 1, seed=seed, max_source_length=8 + seed % 4)
         greedy = _generate(base, batch, blockwise_compile=options)
@@ -469,6 +471,33 @@ def test_compiled_feature_drafting_drafts_what_the_eager_drafter_drafts(compiled
     if threshold is not None:  # the threshold cut some rows' drafts short, and not all of them
         cut = torch.cat([eager.lengths for eager, _, _ in pairs])
         assert bool((cut < twin.block_size - 1).any()) and bool((cut > 0).any()), cut
+
+
+def test_compiled_heads_drafting_drafts_what_the_eager_heads_draft(compiled_models) -> None:
+    """The heads' compiled drafting block (heads and shortlist projection in one graph) proposes what the same
+    block run as a plain module proposes, step by step (batch 1, where it is compiled), on heads trained enough to
+    differ from the base's own next token (random output layers instead of their zero start)."""
+    base = compiled_models["marian"]
+    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=4, head_hidden_size=16)).eval()
+    with torch.no_grad():
+        torch.nn.init.normal_(model.heads.down.weight, std=0.5)
+    model.set_shortlist(torch.arange(10, 60))
+    twin = _TwinDrafter(model.drafter())
+    for seed in (30, 31):
+        batch = random_batch(base, 1, seed=seed, max_source_length=8 + seed % 3)
+        greedy = _generate(base, batch, blockwise_compile=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback warning: it really ran compiled
+            assert torch.equal(_generate(base, batch, assistant=twin, blockwise_compile=True), greedy)
+    drafted = [(eager, compiled) for eager, compiled, _ in twin.pairs if eager.tokens.shape[1] > 0]
+    assert len(drafted) > 4
+    for eager, compiled in drafted:
+        assert torch.equal(compiled.tokens, eager.tokens) and torch.equal(compiled.lengths, eager.lengths)
+        assert bool(((compiled.tokens >= 10) & (compiled.tokens < 60)).all())  # from the shortlist
+    assert len({tuple(compiled.tokens[0].tolist()) for _, compiled in drafted}) > 1  # not one fixed draft
+    eager_state, compiled_state = twin.last_state  # the compiled side drafted through its compiled block
+    assert compiled_state.compiled is not None and compiled_state.eager is None
+    assert eager_state.compiled is None and eager_state.eager is not None
 
 
 def test_compiled_feature_drafting_does_not_recompile_once_warm(compiled_models) -> None:

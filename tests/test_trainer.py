@@ -73,6 +73,31 @@ def test_head_losses_use_each_heads_shifted_labels() -> None:
         torch.testing.assert_close(trained.head_accuracies[head], expected_accuracy)
 
 
+def test_heads_with_a_shortlist_are_scored_over_it() -> None:
+    """With a shortlist, each head's loss is the cross-entropy over the shortlist's logits of the labels inside it, and
+    its accuracy counts labels outside it as misses (no head can draft them)."""
+    model = BlockwiseHeadsModel(build_model("marian", seed=8), BlockwiseHeadsConfig(block_size=3))
+    torch.nn.init.normal_(model.heads.down.weight, std=0.5)
+    shortlist = torch.arange(3, 40)
+    model.set_shortlist(shortlist)
+    batch = random_batch(model.base_model, 3, seed=2)
+    labels = torch.randint(3, 50, (3, 7))  # some labels (40..49) outside the shortlist
+    labels[2, 5:] = -100
+    with torch.no_grad():
+        trained = model(**batch, labels=labels)
+        full = model(**batch, decoder_input_ids=trained_decoder_inputs(model, labels)).head_logits  # (B, T, 2, V)
+    for head in range(2):
+        logits, targets = full[:, : 7 - head - 1, head], labels[:, head + 1 :]
+        valid = targets != -100
+        logits, targets = logits[valid][:, shortlist], targets[valid] - 3  # shortlist slot = id - 3
+        inside = targets < shortlist.shape[0]
+        assert bool(inside.any()) and not bool(inside.all())
+        expected_loss = torch.nn.functional.cross_entropy(logits[inside], targets[inside])
+        expected_accuracy = ((logits.argmax(-1) == targets) & inside).float().mean()
+        torch.testing.assert_close(trained.head_losses[head], expected_loss)
+        torch.testing.assert_close(trained.head_accuracies[head], expected_accuracy)
+
+
 def trained_decoder_inputs(model: BlockwiseHeadsModel, labels: torch.Tensor) -> torch.Tensor:
     """The decoder inputs the base derives from `labels` (labels shifted right after the start token)."""
     shifted = torch.full_like(labels, model.base_model.config.decoder_start_token_id)
@@ -138,6 +163,35 @@ def test_full_fine_tuning_trains_base_and_saves_it(tmp_path) -> None:
     reloaded = BlockwiseHeadsModel.from_pretrained(tmp_path / "checkpoint-3")
     for name, tensor in base.state_dict().items():
         torch.testing.assert_close(reloaded.base_model.state_dict()[name], tensor)
+
+
+def test_the_base_trains_at_its_own_learning_rate(tmp_path) -> None:
+    base = build_model("t5", seed=5)
+    model = BlockwiseHeadsModel(base, BlockwiseHeadsConfig(block_size=3))
+    args = make_args(
+        tmp_path,
+        base_training="full",
+        max_steps=2,
+        save_steps=10,
+        base_learning_rate=3e-5,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=4,
+    )
+    trainer = BlockwiseHeadsTrainer(model=model, args=args, train_dataset=copy_task(16, 3))
+    trainer.train()
+    base_ids = {id(parameter) for parameter in base.parameters()}
+    rates = {
+        "base" if id(group["params"][0]) in base_ids else "heads": group["lr"]
+        for group in trainer.optimizer.param_groups
+        if all((id(parameter) in base_ids) == (id(group["params"][0]) in base_ids) for parameter in group["params"])
+    }
+    assert sum(len(group["params"]) for group in trainer.optimizer.param_groups) == sum(
+        1 for parameter in model.parameters() if parameter.requires_grad
+    )
+    assert rates["heads"] == pytest.approx(3e-3 * 2 / 4)  # halfway through the warmup: both rates scaled
+    assert rates["base"] == pytest.approx(3e-5 * 2 / 4)
+    with pytest.raises(ValueError, match="base_learning_rate needs base_training='full'"):
+        make_args(tmp_path, base_learning_rate=1e-4)
 
 
 def test_evaluate_decodes_blockwise(tmp_path) -> None:

@@ -11,11 +11,13 @@ from torch import nn
 from hf_blockwise.boundary import (
     check_same_dtype,
     check_same_projection,
+    decoder_input_embeddings,
     output_projection_logits,
     shortlist_projection,
 )
-from hf_blockwise.drafters.base import Drafter, DraftNoise, DraftRequest, Drafts
+from hf_blockwise.drafters.base import Drafter, DraftRequest, Drafts
 from hf_blockwise.drafters.trees import check_tree_options, drafted_candidates, ranked_tree
+from hf_blockwise.engine import CompiledModule, compiled_block
 
 
 class HeadsModel(Protocol):
@@ -100,12 +102,12 @@ class HeadsDrafter(Drafter):
         step would cost as much as using them), from the model as it is now (device, dtype, shortlist)."""
         shortlist = self.model.heads.shortlist if self.use_shortlist else None
         if shortlist is None:
-            return None
+            return HeadsDraftState(projection=None)
         weight, bias = shortlist_projection(self.model.base_model, shortlist)
-        return ShortlistProjection(token_ids=shortlist, weight=weight, bias=bias)
+        return HeadsDraftState(projection=ShortlistProjection(token_ids=shortlist, weight=weight, bias=bias))
 
     def select_rows(self, drafter_state: Any, rows: torch.Tensor) -> Any:
-        return drafter_state  # a frozen projection, nothing per row: the same value (`drafters/base.py`)
+        return drafter_state  # nothing per row: the same state (`drafters/base.py`)
 
     def check_base(self, model: nn.Module) -> None:
         check_same_projection(self.model.base_model, model, "HeadsDrafter")
@@ -115,72 +117,133 @@ class HeadsDrafter(Drafter):
         batch_size = request.lengths.shape[0]
         if request.last_states is None:
             return Drafts.empty(batch_size, request.lengths.device)
+        state: HeadsDraftState = request.drafter_state
         states = request.last_states.to(self.model.base_model.get_output_embeddings().weight.dtype)
         # the last verified token is the base model's own choice from `last_states`
         last_tokens = request.sequences.gather(1, (request.lengths - 1).clamp(min=0)[:, None])[:, 0]  # (B,)
-        chosen = self.model.chosen_token_embeddings(last_tokens)  # (B, e) or None
-        # head i drafts the token at position lengths + i (sampling calls draft on their noise there)
-        positions = request.lengths[:, None] + torch.arange(self.block_size - 1, device=request.lengths.device)
-        sampling = request.sampling
-        if self.model.blockwise_config.sequential:
-            tokens, probabilities = self._draft_sequentially(
-                states, chosen, request.drafter_state, sampling, positions
-            )  # (B, k-1, m)
-        else:
-            head_states = self.model.heads(states, num_heads=self.block_size - 1, token_embeddings=chosen)
-            tokens, probabilities = self._project(head_states, request.drafter_state, sampling, positions)
+        keys, temperature = None, 1.0
+        if request.sampling is not None:  # head i drafts the token at position lengths + i, on the call's noise there
+            positions = request.lengths[:, None] + torch.arange(self.block_size - 1, device=request.lengths.device)
+            keys, temperature = request.sampling.keys(positions), request.sampling.temperature
+        tokens, probabilities = self._block(request, state)(states, last_tokens, keys, temperature)  # (B, k-1, m)
         if self.tree_nodes is not None:
             return ranked_tree(tokens, probabilities, self.tree_nodes)
         lengths = torch.full((batch_size,), tokens.shape[1], dtype=torch.long, device=tokens.device)
         return Drafts(tokens=tokens[..., 0], lengths=lengths)
 
-    def _project(
-        self,
-        head_states: torch.Tensor,
-        projection: ShortlistProjection | None,
-        sampling: DraftNoise | None = None,
-        positions: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The `branching` most likely tokens of each head state (shape `(..., d)` -> `(..., m)`), over the
-        shortlist if any, and their probabilities; a sampling call's chains draw on its noise at `positions`."""
-        if projection is None:
-            logits = output_projection_logits(self.model.base_model, head_states)
-        else:
-            weight, bias = projection.weight, projection.bias
-            logits = torch.nn.functional.linear(head_states.to(weight.dtype), weight, bias)
-        token_ids = None if projection is None else projection.token_ids
-        if sampling is None or positions is None:
-            return drafted_candidates(logits, token_ids, self.branching)
-        return drafted_candidates(logits, token_ids, self.branching, sampling.keys(positions), sampling.temperature)
+    def _block(self, request: DraftRequest, state: HeadsDraftState) -> CompiledModule | HeadsDraftBlock:
+        """The drafting block of this call: compiled under the engine at batch 1 (looked up once per call), a plain
+        module otherwise (at batch 16 the eager block measured as fast: its products are a few rows of small
+        matrices either way)."""
+        if request.compile is not None and request.lengths.shape[0] == 1:
+            if not state.compiled_ready:
+                state.compiled, state.compiled_ready = self._compiled_block(request, state.projection), True
+            if state.compiled is not None:
+                return state.compiled
+        if state.eager is None:
+            state.eager = HeadsDraftBlock(self.model, state.projection, self.block_size - 1, self.branching)
+        return state.eager
 
-    def _draft_sequentially(
+    def _compiled_block(self, request: DraftRequest, projection: ShortlistProjection | None) -> CompiledModule | None:
+        """The model's compiled [`HeadsDraftBlock`] for this drafter's block size, branching and projection."""
+        key = f"heads_k{self.block_size}_m{self.branching}_"
+        key += "full" if projection is None else str(projection.token_ids.shape[0])
+        # the block reads the heads, the base's embeddings and a copy of the base's output projection: its snapshots
+        # watch those (the engine watches the base's other layers once per generate)
+        projection_source = self.model.base_model.get_output_embeddings()
+        return compiled_block(
+            self.model,
+            key,
+            lambda: HeadsDraftBlock(self.model, projection, self.block_size - 1, self.branching),
+            request.compile,
+            reads=lambda _: [projection_source],
+        )
+
+
+@dataclass
+class HeadsDraftState:
+    """What a [`HeadsDrafter`] keeps for one `generate` call (its `drafter_state`; the same for every row).
+
+    Attributes:
+        projection ([`ShortlistProjection`], *optional*): the shortlist's rows of the output projection.
+        compiled ([`CompiledModule`], *optional*): the compiled drafting block, looked up once per call
+            (`compiled_ready`); `None` where compilation is unavailable.
+        eager ([`HeadsDraftBlock`], *optional*): the drafting block as a plain module, built on first use.
+    """
+
+    projection: ShortlistProjection | None
+    compiled: CompiledModule | None = None
+    compiled_ready: bool = False
+    eager: HeadsDraftBlock | None = None
+
+
+class HeadsDraftBlock(nn.Module):
+    """The heads' drafts of one step as one module: the one drafting implementation of [`HeadsDrafter`], compiled
+    (no host reads, the heads and the shortlist projection in one graph) or run as a plain module.
+
+    Args:
+        model ([`HeadsModel`]): its heads, and the base's token embeddings and output projection.
+        projection ([`ShortlistProjection`], *optional*): the shortlist rows of the output projection (buffers, so
+            that freezing prepacks them); `None` projects onto the whole vocabulary.
+        num_heads (`int`): drafts per row, `block_size - 1`.
+        branching (`int`): ranked candidates per head (the first is the chain's token).
+    """
+
+    def __init__(
+        self, model: HeadsModel, projection: ShortlistProjection | None, num_heads: int, branching: int
+    ) -> None:
+        super().__init__()
+        self.heads = model.heads
+        self.sequential = model.blockwise_config.sequential
+        reads_tokens = model.blockwise_config.sequential or model.blockwise_config.condition_on_token
+        self.embeddings = decoder_input_embeddings(model.base_model) if reads_tokens else None
+        self.base_model = model.base_model if projection is None else None
+        self.num_heads = num_heads
+        self.branching = branching
+        self.register_buffer("token_ids", None if projection is None else projection.token_ids)
+        self.register_buffer("weight", None if projection is None else projection.weight)
+        self.register_buffer("bias", None if projection is None else projection.bias)
+
+    def forward(
         self,
         states: torch.Tensor,
-        chosen: torch.Tensor,
-        projection: ShortlistProjection | None,
-        sampling: DraftNoise | None = None,
-        positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Sequential heads: head i reads the embeddings of t_0 and of the drafts of heads 1..i-1.
-
+        last_tokens: torch.Tensor,
+        draft_keys: torch.Tensor | None = None,
+        temperature: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """
         Args:
-            states (`torch.Tensor` of shape `(B, d)`), chosen (`torch.Tensor` of shape `(B, e)`): t_0's embedding.
-            sampling ([`DraftNoise`], *optional*), positions (`torch.LongTensor` of shape `(B, block_size - 1)`):
-                a sampling call's noise and the position each head's draft takes.
+            states (`torch.Tensor` of shape `(B, d)`): the decoder state that predicted each row's last token.
+            last_tokens (`torch.LongTensor` of shape `(B,)`): that token (t_0), which token-reading heads embed.
+            draft_keys (`torch.LongTensor` of shape `(B, num_heads)`, *optional*): a sampling call's noise keys at
+                each head's position ([`DraftNoise.keys`]); `None` for greedy calls.
+            temperature (`float`): the sampling call's temperature.
 
         Returns:
-            tokens (`torch.LongTensor` of shape `(B, block_size - 1, m)`), best first (each head reads the chain of
-            the earlier heads' best), and their probabilities.
+            tokens (`torch.LongTensor` of shape `(B, num_heads, branching)`), best first, and their probabilities.
         """
+        chosen = None if self.embeddings is None else self.embeddings(last_tokens)  # (B, e)
+        if not self.sequential:
+            head_states = self.heads(states, num_heads=self.num_heads, token_embeddings=chosen)  # (B, n, d)
+            return self._candidates(head_states, draft_keys, temperature)
+        # sequential heads: head i reads the embeddings of t_0 and of the best drafts of heads 1..i-1
         embedded, tokens, probabilities = [chosen], [], []
-        for index in range(self.block_size - 1):
-            ranked, probability = self._project(
-                self.model.heads.head(index, states, torch.stack(embedded, dim=1)),
-                projection,
-                sampling,
-                None if positions is None else positions[:, index],
-            )
+        for index in range(self.num_heads):
+            head_state = self.heads.head(index, states, torch.stack(embedded, dim=1))  # (B, d)
+            keys = None if draft_keys is None else draft_keys[:, index]
+            ranked, probability = self._candidates(head_state, keys, temperature)
             tokens.append(ranked)
             probabilities.append(probability)
-            embedded.append(self.model.chosen_token_embeddings(ranked[:, 0]))
+            embedded.append(self.embeddings(ranked[:, 0]))
         return torch.stack(tokens, dim=1), torch.stack(probabilities, dim=1)
+
+    def _candidates(
+        self, head_states: torch.Tensor, keys: torch.Tensor | None, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `branching` most likely tokens of each head state (`(..., d)` -> `(..., m)`), over the shortlist if
+        any, and their probabilities; a sampling call's chains draw on its noise `keys` (`(...)`)."""
+        if self.weight is None:
+            logits = output_projection_logits(self.base_model, head_states)
+        else:
+            logits = torch.nn.functional.linear(head_states.to(self.weight.dtype), self.weight, self.bias)
+        return drafted_candidates(logits, self.token_ids, self.branching, keys, temperature)

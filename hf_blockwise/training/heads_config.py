@@ -26,6 +26,9 @@ class BlockwiseHeadsTrainingArguments(Seq2SeqTrainingArguments):
             `"lora"` trains LoRA adapters on the base through `peft` instead (saved beside the heads in PEFT's
             format and merged on loading).
         base_loss_weight (`float`, defaults to 1.0): weight of the base's loss when it is trained.
+        base_learning_rate (`float`, *optional*): with `base_training="full"`, the base's own peak learning rate
+            (the heads keep `learning_rate`; both follow the same schedule). Fresh heads need a rate that would
+            move a trained base too far (Medusa-2 trains the two at different rates). `None`: one rate for all.
         lora_r (`int`, defaults to 8), lora_alpha (`int`, defaults to 16), lora_dropout (`float`, defaults to 0.0):
             the LoRA adapter's rank, scale and dropout.
         lora_target_modules (`list[str]`, *optional*): module names to adapt; by default PEFT's choice for the
@@ -38,6 +41,7 @@ class BlockwiseHeadsTrainingArguments(Seq2SeqTrainingArguments):
     head_loss: str = field(default="mean", metadata={"help": f"one of {HEAD_LOSSES}"})
     base_training: str = field(default="frozen", metadata={"help": f"one of {BASE_TRAINING}"})
     base_loss_weight: float = field(default=1.0)
+    base_learning_rate: float | None = field(default=None)
     lora_r: int = field(default=8)
     lora_alpha: int = field(default=16)
     lora_dropout: float = field(default=0.0)
@@ -57,6 +61,12 @@ class BlockwiseHeadsTrainingArguments(Seq2SeqTrainingArguments):
             raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
         if self.base_loss_weight < 0:
             raise ValueError(f"base_loss_weight must be >= 0, got {self.base_loss_weight}")
+        if self.base_learning_rate is not None and self.base_training != "full":
+            raise ValueError(
+                f"base_learning_rate needs base_training='full' (the base is trained), got {self.base_training!r}"
+            )
+        if self.base_learning_rate is not None and self.base_learning_rate <= 0:
+            raise ValueError(f"base_learning_rate must be > 0, got {self.base_learning_rate}")
         prepare_eval_decoding(self)
         super().__post_init__()
 

@@ -50,6 +50,22 @@ class BlockwiseHeadsTrainer(AdapterCheckpointMixin, StepMetricsTrainer):
         super().__init__(model=model, args=args, **kwargs)
         self._head_rng = random.Random(args.seed)
 
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """transformers' optimizer, with the base's parameters moved into groups of their own at
+        `base_learning_rate` when it is set (before the schedule is built, which scales every group's rate)."""
+        optimizer = super().create_optimizer(model)
+        if self.args.base_learning_rate is None:
+            return optimizer
+        base_parameters = {id(parameter) for parameter in self.model.base_model.parameters()}
+        for group in list(optimizer.param_groups):
+            moved = [parameter for parameter in group["params"] if id(parameter) in base_parameters]
+            group["params"] = [parameter for parameter in group["params"] if id(parameter) not in base_parameters]
+            if moved:
+                settings = {key: value for key, value in group.items() if key != "params"}
+                optimizer.add_param_group({**settings, "params": moved, "lr": self.args.base_learning_rate})
+        optimizer.param_groups[:] = [group for group in optimizer.param_groups if group["params"]]
+        return optimizer
+
     def training_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
         outputs = model(**inputs)
         head_losses = outputs.head_losses  # (k-1,)
