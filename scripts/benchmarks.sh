@@ -305,3 +305,19 @@ python scripts/corpus_bench.py --model $mt --input $data/multi30k/train.en.gz --
     --batch-sizes 1 16 64 --drafters none auto --max-batch-tokens 1024 --out docs/bench/corpus-multi30k-train
 python scripts/corpus_bench.py --model $gec --input $data/gec_wi_locness/dev.src.gz --lines 400 --compile \
     --batch-sizes 1 16 64 --drafters none input_copy feature composite --max-batch-tokens 1024 --out docs/bench/corpus-wi-dev
+# issue 63: Stern's combined scoring and proposal model (marian-base-en-de-stern: the base fine-tuned with 7 heads)
+# against its own greedy, k = 2..8 from the same heads (Stern's Table 1 "Both" column and Figure 4: bench.md and
+# bench.png), Multi30k test_2016 and Europarl validation at batch 1; the shipped base's heads and feature drafter
+# with the heads' compiled drafting block
+stern=hf_blockwise/pretrained/marian-base-en-de-stern
+for set in multi30k europarl; do
+    set_files $set
+    sentences=100; [ $set = europarl ] && sentences=60
+    hf-blockwise bench --model $stern --source-file $src --reference-file $ref --sentences $sentences \
+        --batch-sizes 1 --threads 2 --modes greedy greedy_compiled heads_k2_compiled heads_k4_compiled \
+        heads_k6_compiled heads_compiled oracle_k8_compiled --out docs/bench/marian-base-stern-$set-b1
+done
+set_files multi30k
+hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 100 --batch-sizes 1 \
+    --threads 2 --modes greedy greedy_compiled heads_compiled feature_compiled oracle_k4_compiled \
+    --out docs/bench/marian-base-multi30k-heads-block-b1

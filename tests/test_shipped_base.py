@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-from hf_blockwise import ReferenceDrafter, blockwise_generate
+from hf_blockwise import BlockwiseHeadsModel, ReferenceDrafter, blockwise_generate
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "hf_blockwise" / "pretrained" / "marian-base-en-de"
 SENTENCES = [
@@ -48,3 +48,22 @@ def test_the_loop_reproduces_its_greedy_output(shipped, batch_size: int) -> None
         drafter = ReferenceDrafter(reference, block_size=4)
         output = model.generate(**batch, custom_generate=blockwise_generate, assistant=drafter)
         assert torch.equal(output, greedy)
+
+
+STERN_DIR = MODEL_DIR.parent / "marian-base-en-de-stern"
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_the_combined_model_drafts_its_own_greedy_output_with_its_heads(batch_size: int) -> None:
+    """Stern's combined scoring and proposal model (the base fine-tuned with its heads, shipped in one folder): its
+    heads' drafts give its own greedy output, more than one token per decoder call."""
+    model = BlockwiseHeadsModel.from_pretrained(STERN_DIR).eval()
+    tokenizer = AutoTokenizer.from_pretrained(STERN_DIR)
+    assert model.blockwise_config.block_size == 8 and model.blockwise_config.shortlist_size == 2000
+    batch = tokenizer(SENTENCES[:batch_size], return_tensors="pt", padding=True)
+    greedy = model.base_model.generate(**batch)
+    output = model.base_model.generate(
+        **batch, custom_generate=blockwise_generate, assistant=model.drafter(), return_dict_in_generate=True
+    )
+    assert torch.equal(output.sequences, greedy)
+    assert output.decoding_stats.mean_accepted > 1.5  # tokens per row and decoder call (the first pass drafts none)
