@@ -285,7 +285,7 @@ def test_every_shipped_adapter_records_its_bases_fingerprint() -> None:
         for pattern in ("*/blockwise_config.json", "*/*/blockwise_config.json", "*/*/feature_drafter_config.json")
         for path in SHIPPED.glob(pattern)
     ]
-    assert len(configs) == 7
+    assert len(configs) == 8
     for path in configs:
         assert json.loads(path.read_text())["base_fingerprint"], path
     nar_config = SHIPPED / "multi30k-en-de" / "nar-drafter" / NAR_CONFIG_NAME
