@@ -157,7 +157,8 @@ def ship(model: BlockwiseHeadsModel, tokenizer, directory: str, results: dict) -
     """Base and heads in fp16 (half the size; loaded back as fp32) with tokenizer and model card."""
     ship_model(model.base_model, tokenizer, directory)
     model.save_pretrained(directory, base_model_name_or_path=".", dtype=torch.float16)
-    card = model_card(model, results) if results["base_training"] == "frozen" else combined_model_card(model, results)
+    # a fully fine-tuned base is another model: its card compares it with the starting base (`main` measured both)
+    card = combined_model_card(model, results) if results["base_training"] == "full" else model_card(model, results)
     write_model_card(directory, card)
 
 
