@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -61,14 +62,10 @@ def test_head_losses_use_each_heads_shifted_labels() -> None:
     labels = torch.randint(3, 50, (3, 6))
     labels[0, 4:] = -100
     labels[1, 2:] = -100
-    with torch.no_grad():
-        trained = model(**batch, labels=labels)
-        full = model(**batch, decoder_input_ids=trained_decoder_inputs(model, labels)).head_logits  # (B, T, 3, V)
-    for head in range(3):
-        logits, targets = full[:, : 6 - head - 1, head], labels[:, head + 1 :]
-        valid = targets != -100
-        expected_loss = torch.nn.functional.cross_entropy(logits[valid], targets[valid])
-        expected_accuracy = (logits[valid].argmax(-1) == targets[valid]).float().mean()
+    trained, labelled = trained_and_labelled_logits(model, batch, labels)
+    for head, (logits, targets) in enumerate(labelled):
+        expected_loss = torch.nn.functional.cross_entropy(logits, targets)
+        expected_accuracy = (logits.argmax(-1) == targets).float().mean()
         torch.testing.assert_close(trained.head_losses[head], expected_loss)
         torch.testing.assert_close(trained.head_accuracies[head], expected_accuracy)
 
@@ -83,19 +80,29 @@ def test_heads_with_a_shortlist_are_scored_over_it() -> None:
     batch = random_batch(model.base_model, 3, seed=2)
     labels = torch.randint(3, 50, (3, 7))  # some labels (40..49) outside the shortlist
     labels[2, 5:] = -100
-    with torch.no_grad():
-        trained = model(**batch, labels=labels)
-        full = model(**batch, decoder_input_ids=trained_decoder_inputs(model, labels)).head_logits  # (B, T, 2, V)
-    for head in range(2):
-        logits, targets = full[:, : 7 - head - 1, head], labels[:, head + 1 :]
-        valid = targets != -100
-        logits, targets = logits[valid][:, shortlist], targets[valid] - 3  # shortlist slot = id - 3
+    trained, labelled = trained_and_labelled_logits(model, batch, labels)
+    for head, (logits, targets) in enumerate(labelled):
+        logits, targets = logits[:, shortlist], targets - 3  # shortlist slot = id - 3
         inside = targets < shortlist.shape[0]
         assert bool(inside.any()) and not bool(inside.all())
         expected_loss = torch.nn.functional.cross_entropy(logits[inside], targets[inside])
         expected_accuracy = ((logits.argmax(-1) == targets) & inside).float().mean()
         torch.testing.assert_close(trained.head_losses[head], expected_loss)
         torch.testing.assert_close(trained.head_accuracies[head], expected_accuracy)
+
+
+def trained_and_labelled_logits(model: BlockwiseHeadsModel, batch: dict, labels: torch.Tensor) -> tuple[Any, list]:
+    """The model's training output on `labels`, and per head its full-vocabulary logits at the labelled positions
+    with the labels it predicts there (head i at position t: label t + i + 1), `[((N, V), (N,)), ...]`."""
+    with torch.no_grad():
+        trained = model(**batch, labels=labels)
+        full = model(**batch, decoder_input_ids=trained_decoder_inputs(model, labels)).head_logits  # (B, T, k-1, V)
+    labelled = []
+    for head in range(full.shape[2]):
+        logits, targets = full[:, : labels.shape[1] - head - 1, head], labels[:, head + 1 :]
+        valid = targets != -100
+        labelled.append((logits[valid], targets[valid]))
+    return trained, labelled
 
 
 def trained_decoder_inputs(model: BlockwiseHeadsModel, labels: torch.Tensor) -> torch.Tensor:
