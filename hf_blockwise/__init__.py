@@ -55,9 +55,13 @@ _SOURCES = {
     "frequent_tokens": "hf_blockwise.modeling.shortlist",
     "generate_corpus": "hf_blockwise.corpus",
     "quantize_dynamic_int8": "hf_blockwise.quantization",
+    "restore": "hf_blockwise.fast_generate",
+    "speed_up": "hf_blockwise.fast_generate",
+    "CompileOptions": "hf_blockwise.compile_options",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
+    from hf_blockwise.compile_options import CompileOptions
     from hf_blockwise.corpus import CorpusReport, generate_corpus
     from hf_blockwise.drafters.base import Drafter, DraftNoise, DraftRequest, Drafts, NoDrafter, VerifiedStates
     from hf_blockwise.drafters.composite import CompositeDrafter
@@ -67,6 +71,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from hf_blockwise.drafters.nar import NonAutoregressiveDrafter
     from hf_blockwise.drafters.oracle import ReferenceDrafter
     from hf_blockwise.evaluation import Comparison, compare_to_greedy
+    from hf_blockwise.fast_generate import restore, speed_up
     from hf_blockwise.generation.acceptance import (
         AcceptanceRule,
         DistanceAcceptance,
@@ -110,6 +115,7 @@ __all__ = [
     "BlockwiseHeadsModel",
     "BlockwiseHeadsOutput",
     "Comparison",
+    "CompileOptions",
     "CompositeDrafter",
     "CorpusReport",
     "DecodingStats",
@@ -145,4 +151,6 @@ __all__ = [
     "generate_corpus",
     "greedy_divergences",
     "quantize_dynamic_int8",
+    "restore",
+    "speed_up",
 ]

@@ -42,14 +42,20 @@ _COLUMNS = 64  # output columns of one packed block of the VNNI kernel (hf_block
 
 
 def _is_int8_product(node: fx.Node) -> str:
-    """`"kernel"` for hf_blockwise's `int8_mm` on a weight that is a constant of the graph, `"int_mm"` for
-    `torch._int_mm` on one, `""` otherwise."""
+    """`"kernel"` for hf_blockwise's `int8_mm` (or `int8_mm_avx2`) on a weight that is a constant of the graph,
+    `"int_mm"` for `torch._int_mm` on one, `""` otherwise."""
     if node.op != "call_function" or len(node.args) < 2 or not isinstance(node.args[1], fx.Node):
         return ""
     if node.args[1].op != "get_attr":
         return ""
     kernel = getattr(torch.ops, "hf_blockwise", None)
-    if kernel is not None and hasattr(kernel, "int8_mm") and node.target in (kernel.int8_mm, kernel.int8_mm.default):
+    packed_products = [
+        target
+        for name in ("int8_mm", "int8_mm_avx2")  # the VNNI and AVX2 paths: one packed layout, the same integers
+        if kernel is not None and hasattr(kernel, name)
+        for target in (getattr(kernel, name), getattr(kernel, name).default)
+    ]
+    if node.target in packed_products:
         offsets = node.args[2]
         fits = isinstance(offsets, fx.Node) and offsets.op == "get_attr" and isinstance(node.args[3], int)
         return "kernel" if fits and not node.kwargs else ""

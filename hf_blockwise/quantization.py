@@ -312,7 +312,25 @@ def quantize_dynamic_int8(model: nn.Module) -> nn.Module:
         encoder.register_forward_pre_hook(functools.partial(_refresh_before_forward, weakref.ref(base)))
     quantize_linears_int8(base)
     refresh_int8(base)  # an already quantized model whose float weights changed
+    if int8_kernel.kernel_path() == "int_mm":
+        _warn_slow_int8()
     return model
+
+
+class Int8SpeedWarning(UserWarning):
+    """int8 products run on `torch._int_mm` here, which is slower than float32 on the CPUs measured."""
+
+
+@functools.cache  # once per process
+def _warn_slow_int8() -> None:
+    warnings.warn(
+        "int8 products run on torch._int_mm on this machine (no AVX2 or AVX-512 VNNI path of hf_blockwise's kernel: "
+        "another CPU, no C++ compiler, or HF_BLOCKWISE_INT8_KERNEL=0); measured on a 2-core AMD EPYC Zen 3, its "
+        "compiled int8 decoder call took ~7x the float32 one. Decode in float32 here: the output of either is exact "
+        "for its own model.",
+        Int8SpeedWarning,
+        stacklevel=3,
+    )
 
 
 def _refresh_before_forward(base: weakref.ref[nn.Module], _module: nn.Module, _args: Any) -> None:

@@ -1,12 +1,13 @@
-"""hf_blockwise's int8 kernel (`hf_blockwise/kernels/`): on a CPU with AVX-512 VNNI, int8 layers multiply on weights
-packed once, and the products are the very integers `torch._int_mm` computes, at every row count and shape (ragged
-column blocks, one row, rows in fours and not, the int8 extremes); a model decodes the same bits with the kernel as
-without it; without VNNI, or with the kernel turned off, layers keep `torch._int_mm`'s layout; a build that fails
-warns and leaves `torch._int_mm`."""
+"""hf_blockwise's int8 kernel (`hf_blockwise/kernels/`): on a CPU with AVX-512 VNNI or AVX2, int8 layers multiply on
+weights packed once, and the products are the very integers `torch._int_mm` computes on every path this CPU runs, at
+every row count and shape (ragged column blocks, one row, rows in fours and not, the int8 extremes); a model decodes
+the same bits with the kernel as without it; `HF_BLOCKWISE_INT8_KERNEL` picks a path, and one this CPU cannot run is
+an error; turned off, layers keep `torch._int_mm`'s layout; a build that fails warns and leaves `torch._int_mm`."""
 
 from __future__ import annotations
 
 import subprocess
+import warnings
 
 import pytest
 import torch
@@ -17,15 +18,31 @@ from hf_blockwise.engine import CompiledModule, CompileOptions
 from hf_blockwise.kernels import int8 as int8_kernel
 from hf_blockwise.quantization import Int8Linear
 
-vnni = pytest.mark.skipif(
-    not torch.cpu._is_vnni_supported(), reason="this CPU has no AVX-512 VNNI: int8 layers use torch._int_mm here"
+CPU_RUNS = {"avx512_vnni": torch.cpu._is_vnni_supported(), "avx2": torch.cpu._is_avx2_supported()}
+packed_path = pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(path, marks=pytest.mark.skipif(not runs, reason=f"this CPU has no {path}"))
+        for path, runs in CPU_RUNS.items()
+    ],
 )
 
 
-@vnni
+@pytest.fixture
+def on_path(monkeypatch):
+    """Sets `HF_BLOCKWISE_INT8_KERNEL` to a packed path (the test's `path`) and checks that products take it."""
+
+    def choose(path: str) -> None:
+        monkeypatch.setenv("HF_BLOCKWISE_INT8_KERNEL", path)
+        assert int8_kernel.kernel_path() == path and int8_kernel.available()
+
+    return choose
+
+
+@packed_path
 @pytest.mark.parametrize(("features", "outputs"), [(4, 1), (8, 64), (64, 65), (36, 200), (512, 100), (2048, 130)])
-def test_the_kernel_computes_int_mms_integers(features: int, outputs: int) -> None:
-    assert int8_kernel._loaded()  # built and loaded on this CPU, whatever HF_BLOCKWISE_INT8_KERNEL says for layers
+def test_the_kernel_computes_int_mms_integers(on_path, path: str, features: int, outputs: int) -> None:
+    on_path(path)
     generator = torch.Generator().manual_seed(features * outputs)
     weight = torch.randint(-128, 128, (features, outputs), dtype=torch.int8, generator=generator)
     weight[0] = 127  # the extremes, where a saturating product would show
@@ -38,9 +55,9 @@ def test_the_kernel_computes_int_mms_integers(features: int, outputs: int) -> No
         assert torch.equal(int8_kernel.int8_mm(rows, packed, offsets, outputs), torch._int_mm(rows, weight))
 
 
-@vnni
-def test_the_kernel_refuses_what_does_not_fit_it() -> None:
-    assert int8_kernel._loaded()
+@packed_path
+def test_the_kernel_refuses_what_does_not_fit_it(on_path, path: str) -> None:
+    on_path(path)
     packed, offsets = int8_kernel.pack(torch.ones(8, 70, dtype=torch.int8))
     with pytest.raises(RuntimeError, match="rows of 12 features against a weight of 8"):
         int8_kernel.int8_mm(torch.ones(2, 12, dtype=torch.int8), packed, offsets, 70)
@@ -56,13 +73,13 @@ def test_the_kernel_refuses_what_does_not_fit_it() -> None:
 
 def test_a_model_decodes_the_same_bits_with_the_kernel_as_with_int_mm(monkeypatch) -> None:
     """Where the kernel runs, every layer whose inputs come in fours is packed; turned off, none is; the logits and
-    greedy outputs are equal bit for bit (on a CPU without VNNI both models use `torch._int_mm`)."""
+    greedy outputs are equal bit for bit (on a CPU without AVX2 both models use `torch._int_mm`)."""
     models, kernel = {}, {}
     for setting in ("1", "0"):
         monkeypatch.setenv("HF_BLOCKWISE_INT8_KERNEL", setting)
         kernel[setting] = int8_kernel.available()
         models[setting] = quantize_dynamic_int8(build_model("bart", seed=2))
-    assert kernel == {"1": torch.cpu._is_vnni_supported(), "0": False}
+    assert kernel == {"1": any(CPU_RUNS.values()), "0": False}
     layers = {setting: [m for m in model.modules() if isinstance(m, Int8Linear)] for setting, model in models.items()}
     assert layers["0"] and all(layer.weight_offsets is None for layer in layers["0"])
     assert all((layer.weight_offsets is not None) == kernel["1"] for layer in layers["1"])
@@ -75,9 +92,9 @@ def test_a_model_decodes_the_same_bits_with_the_kernel_as_with_int_mm(monkeypatc
     assert torch.equal(*logits) and torch.equal(*outputs)
 
 
-@vnni
-def test_a_requantized_layer_stays_packed_and_follows_its_weights(monkeypatch) -> None:
-    monkeypatch.setenv("HF_BLOCKWISE_INT8_KERNEL", "1")
+@packed_path
+def test_a_requantized_layer_stays_packed_and_follows_its_weights(on_path, path: str) -> None:
+    on_path(path)
     linear = torch.nn.Linear(16, 70)
     layer = Int8Linear(linear)
     with torch.no_grad():
@@ -90,14 +107,16 @@ def test_a_requantized_layer_stays_packed_and_follows_its_weights(monkeypatch) -
     assert torch.equal(layer(rows), fresh(rows))
 
 
-@vnni
+@packed_path
 @pytest.mark.parametrize(("features", "outputs"), [(4, 1), (36, 200), (512, 512), (2048, 130)])
-def test_the_one_call_layer_computes_the_bits_of_the_torch_steps(features: int, outputs: int) -> None:
+def test_the_one_call_layer_computes_the_bits_of_the_torch_steps(
+    on_path, path: str, features: int, outputs: int
+) -> None:
     """Eager int8 layers on a packed weight run `int8_linear` in one call of the kernel's library: its outputs equal
     the torch operations' (what a compiled graph traces) bit for bit, with and without bias, at every row count,
     for rows of zeros (the scale's floor), rows whose features are not a multiple of 16 and values at the int8
     scale's rounding edges."""
-    assert int8_kernel._loaded()
+    on_path(path)
     generator = torch.Generator().manual_seed(features + outputs)
     linear = torch.nn.Linear(features, outputs)
     weight_int8_t, weight_scale, bias = quantization._quantized(linear.weight, linear.bias)
@@ -128,11 +147,42 @@ def test_the_one_call_layer_computes_the_bits_of_the_torch_steps(features: int, 
         int8_kernel.int8_linear(inputs, packed, offsets, weight_scale, bias[:-1])
 
 
+def test_the_path_is_the_fastest_this_cpu_runs_or_the_one_named(monkeypatch) -> None:
+    runs = [path for path, runs in CPU_RUNS.items() if runs]
+    monkeypatch.delenv("HF_BLOCKWISE_INT8_KERNEL", raising=False)
+    assert int8_kernel.kernel_path() == (runs[0] if runs else "int_mm")
+    monkeypatch.setenv("HF_BLOCKWISE_INT8_KERNEL", "0")
+    assert int8_kernel.kernel_path() == "int_mm" and not int8_kernel.available()
+    for path in ("avx512_vnni", "avx2"):
+        monkeypatch.setenv("HF_BLOCKWISE_INT8_KERNEL", path)
+        if path in runs:
+            assert int8_kernel.kernel_path() == path
+        else:  # never a quiet substitute
+            with pytest.raises(ValueError, match=f"HF_BLOCKWISE_INT8_KERNEL={path}, but this machine runs only"):
+                int8_kernel.kernel_path()
+    monkeypatch.setenv("HF_BLOCKWISE_INT8_KERNEL", "avx10")
+    with pytest.raises(ValueError, match=r"'avx10': expected one of avx512_vnni, avx2, int_mm, 0 or auto"):
+        int8_kernel.available()
+
+
+def test_int8_on_int_mm_says_once_that_float32_is_faster(monkeypatch) -> None:
+    monkeypatch.setenv("HF_BLOCKWISE_INT8_KERNEL", "0")
+    quantization._warn_slow_int8.cache_clear()
+    with pytest.warns(quantization.Int8SpeedWarning, match="torch._int_mm on this machine"):
+        quantize_dynamic_int8(build_model("bart", seed=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", quantization.Int8SpeedWarning)
+        quantize_dynamic_int8(build_model("bart", seed=3))  # once a process
+        if any(CPU_RUNS.values()):
+            quantization._warn_slow_int8.cache_clear()
+            monkeypatch.setenv("HF_BLOCKWISE_INT8_KERNEL", "auto")
+            quantize_dynamic_int8(build_model("bart", seed=4))  # a packed path: nothing to say
+
+
 def test_a_failed_build_warns_and_leaves_int_mm(monkeypatch) -> None:
     def failing_build(compiler: str):
         raise subprocess.CalledProcessError(1, [compiler], stderr="int8_vnni.cpp:1: error: no such header")
 
-    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: True)
     monkeypatch.setattr(int8_kernel, "_build", failing_build)
     with pytest.warns(UserWarning, match=r"could not build its int8 kernel(.|\n)*no such header"):
         assert int8_kernel._loaded.__wrapped__() is False
@@ -157,11 +207,13 @@ class _SharedRows(torch.nn.Module):
         return query, self.k(states), self.v(states), self.other(states * 2)
 
 
-@pytest.mark.parametrize("kernel", ["1", "0"])
+@pytest.mark.parametrize("kernel", ["avx512_vnni", "avx2", "0"])
 def test_int8_products_that_take_the_same_rows_are_merged_with_the_same_bits(monkeypatch, kernel: str) -> None:
     """The engine's graph pass (`merged_products`) computes q, k and v as one product (on the VNNI kernel's packed
     weights, ragged widths included, or `torch._int_mm`'s): the outputs equal the eager layers' bit for bit, at 1-5
     rows; rows written in place between two products, or made otherwise, are never merged."""
+    if kernel != "0" and not CPU_RUNS[kernel]:
+        pytest.skip(f"this CPU has no {kernel}")
     monkeypatch.setenv("HF_BLOCKWISE_INT8_KERNEL", kernel)
     for write, merged in ((False, 2), (True, 0)):
         module = _SharedRows(write).eval()

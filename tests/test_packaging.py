@@ -10,6 +10,9 @@ import sys
 import zipfile
 from pathlib import Path
 
+from test_corpus import random_sources
+from test_own_text import save_tiny_model
+
 from hf_blockwise.loading import SHIPPED_MODEL
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,3 +61,12 @@ def test_the_wheel_holds_the_library_alone_and_runs_the_demo_on_a_model_by_path(
     assert missing.returncode == 2, missing.stderr
     assert "the shipped model marian-base-en-de is not installed here" in missing.stderr
     assert "pip install -e ." in missing.stderr
+    # a drafter for one's own model, from the installed package alone
+    (tmp_path / "text.txt").write_text("\n".join(random_sources(40, seed=3)) + "\n", encoding="utf-8")
+    own = run(
+        "-m", "hf_blockwise.tools.cli", "train", "heads", "--model", str(save_tiny_model(tmp_path / "own")),
+        "--source-file", "text.txt", "--out", "drafter", "--max-steps", "2", "--eval-lines", "4", "--no-progress",
+    )  # fmt: skip
+    assert own.returncode == 0, own.stderr[-2000:]
+    assert "heads saved in drafter after 2 steps on 36 lines" in own.stdout
+    assert (tmp_path / "drafter" / "blockwise_heads.safetensors").is_file()

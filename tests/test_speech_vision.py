@@ -27,7 +27,7 @@ from zoo_media import (
     whisper_tokenizer,
 )
 
-from hf_blockwise import BlockwiseHeadsConfig, BlockwiseHeadsModel, blockwise_generate, check_decoder
+from hf_blockwise import BlockwiseHeadsConfig, BlockwiseHeadsModel, blockwise_generate, check_decoder, speed_up
 from hf_blockwise import boundary as hf
 from hf_blockwise.evaluation.harness import DecoderCallCounter
 from hf_blockwise.modeling.config import FeatureDrafterConfig
@@ -438,6 +438,23 @@ def test_speech_recognition_pipeline_is_exact(
         speech_recognizer, lambda: clips, {**PIPELINE_GREEDY, **generate_kwargs}, seed=9, **call_kwargs
     )
     assert len({output["text"] for output in outputs}) == len(outputs), "the tiny Whisper should transcribe variedly"
+
+
+def test_a_sped_up_whisper_runs_its_pipeline_through_the_loop_until_restored(speech_recognizer) -> None:
+    """`speed_up(model, drafter)` once: the pipeline built on the model drafts with no generate_kwargs of its own."""
+    model, clips = speech_recognizer.model, _clips(SHORT_CLIPS, seed=12)
+
+    def run(kwargs: dict) -> list:
+        return list(speech_recognizer(clips, generate_kwargs=kwargs, batch_size=2))
+
+    _run_probes(model)
+    greedy, greedy_calls = _counting_calls(model, run, PIPELINE_GREEDY)
+    searches: list[torch.Tensor] = []
+    run({**PIPELINE_GREEDY, "custom_generate": _recording_greedy_search, "searches": searches})
+    with speed_up(model, _ReplayingOracle(searches, block_size=4, corruption=0.25, seed=12), compile=False):
+        drafted, calls = _counting_calls(model, run, PIPELINE_GREEDY)
+    assert drafted == greedy and calls < greedy_calls
+    assert _counting_calls(model, run, PIPELINE_GREEDY) == (greedy, greedy_calls)  # restored
 
 
 def test_speech_recognition_pipeline_default_beams_run_through_the_beam_loop(speech_recognizer) -> None:

@@ -141,6 +141,23 @@ def test_frozen_base_training_moves_heads_only(tmp_path, head_loss: str) -> None
     assert not files & {"model.safetensors", "pytorch_model.bin"}  # heads only: the frozen base is not copied
 
 
+@pytest.mark.parametrize("base_training", ["frozen", "full"])
+def test_a_frozen_base_serves_its_heads_without_dropout(tmp_path, base_training: str) -> None:
+    """Heads learn from the states greedy decoding produces: a frozen base runs in eval mode within a training
+    step (two passes over one batch agree), while a base being fine-tuned keeps its dropout."""
+    config = build_model("marian").config  # dropout 0 in the zoo; give it some
+    config.dropout = 0.5
+    model = BlockwiseHeadsModel(type(build_model("marian"))(config), BlockwiseHeadsConfig(block_size=3))
+    trainer = BlockwiseHeadsTrainer(
+        model=model, args=make_args(tmp_path, base_training=base_training), train_dataset=copy_task(8, seed=4)
+    )
+    batch = trainer.data_collator([trainer.train_dataset[index] for index in range(4)])
+    model.train()
+    first, second = (trainer.training_loss(model, batch)[0] for _ in range(2))
+    assert torch.equal(first, second) == (base_training == "frozen")
+    assert model.heads.training  # the heads themselves stay in train mode
+
+
 def test_resume_from_checkpoint_matches_an_uninterrupted_run(tmp_path) -> None:
     data = copy_task(48, seed=2)
 

@@ -1,21 +1,25 @@
-"""Exact int8 products on weights packed once for AVX-512 VNNI: `torch.ops.hf_blockwise.int8_mm`.
+"""Exact int8 products on weights packed once, for AVX-512 VNNI and for AVX2: `torch.ops.hf_blockwise.int8_mm` and
+`int8_mm_avx2`.
 
 `torch._int_mm` on CPU calls oneDNN's s8s8s32 GEMM with the weight unpacked, so every call reorders the weight and
 sums its columns again: 14-23 us for a 512x512 product of 1-8 rows and 0.6 ms for `marian-base-en-de`'s 512x16,000
-output projection (2-core Zen 4 EPYC, 2 threads), against 8-12 us and 0.15 ms here. `int8_vnni.cpp` (beside this
-file) keeps the weight in `vpdpbusd`'s layout and its column sums, made once when a layer is quantized; a call only
-streams the weight. Its int32 sums are exact, so they are the very integers `torch._int_mm` computes: which kernel a
-layer uses changes its speed, never a bit of its output (`tests/test_int8_kernel.py` checks `torch.equal` against
-`torch._int_mm`). Eager int8 layers on a packed weight call `hf_blockwise::int8_linear` instead ([`int8_linear`]): the
-rows' quantization, the product and the scaling in one call, computing the bits of
-[`hf_blockwise.quantization.int8_linear_steps`] (the library is built with `-ffp-contract=off`, so no product and
-sum become a fused multiply-add).
+output projection (2-core Zen 4 EPYC, 2 threads), against 8-12 us and 0.15 ms here; on a CPU without VNNI it is
+slower still (0.4-0.8 GMAC/s on the 2-core Zen 3: an int8 model ran ~7x slower than in float32). `int8_vnni.cpp`
+(beside this file) keeps the weight in `vpdpbusd`'s layout and its column sums, made once when a layer is quantized;
+a call only streams the weight. Its int32 sums are exact, so they are the very integers `torch._int_mm` computes:
+which path a layer uses changes its speed, never a bit of its output (`tests/test_int8_kernel.py` checks
+`torch.equal` against `torch._int_mm` on each path this CPU runs). Eager int8 layers on a packed weight call
+`hf_blockwise::int8_linear` (`int8_linear_avx2`) instead ([`int8_linear`]): the rows' quantization, the product and
+the scaling in one call, computing the bits of [`hf_blockwise.quantization.int8_linear_steps`] (the library is built
+with `-ffp-contract=off`, so no product and sum become a fused multiply-add).
 
 The kernel is compiled with the machine's C++ compiler the first time an int8 layer is made (~15 s, once: the
 library is kept under `$HF_BLOCKWISE_CACHE`, by default `~/.cache/hf_blockwise`, keyed by the source, torch's
-version and the compiler). It runs where the CPU has AVX-512 VNNI (Zen 4 EPYCs, Cascade Lake and later Xeons);
-elsewhere, without a C++ compiler, or with `HF_BLOCKWISE_INT8_KERNEL=0` in the environment, int8 layers keep
-`torch._int_mm` (a build that fails warns, naming why).
+version and the compiler). [`kernel_path`] says which path int8 products take now: `"avx512_vnni"` where the CPU has
+AVX-512 VNNI (Zen 4 and 5 EPYCs, Cascade Lake and later Xeons), else `"avx2"` (Zen 3, Intel client CPUs), else (no
+AVX2, no C++ compiler, aarch64) `"int_mm"`, `torch._int_mm` (a build that fails warns, naming why).
+`HF_BLOCKWISE_INT8_KERNEL` chooses: `avx512_vnni`, `avx2`, or `0` for `torch._int_mm` (a path this CPU cannot run is
+an error, never a quiet substitute).
 """
 
 from __future__ import annotations
@@ -44,18 +48,50 @@ MAX_FEATURES = 65536  # int8_vnni.cpp's kMaxFeatures: its running int32 sums sta
 _ENVIRONMENT = "HF_BLOCKWISE_INT8_KERNEL"
 
 
+PATHS = ("avx512_vnni", "avx2", "int_mm")
+
+
+def kernel_path() -> str:
+    """The path int8 products take now (layers made now are packed for it unless it is `"int_mm"`): one of
+    [`PATHS`], the fastest this CPU runs, or the one `HF_BLOCKWISE_INT8_KERNEL` names (`0` for `"int_mm"`).
+
+    Raises:
+        `ValueError`: `HF_BLOCKWISE_INT8_KERNEL` names an unknown path, or one this machine cannot run.
+    """
+    return _path_named(os.environ.get(_ENVIRONMENT, ""))
+
+
+@functools.cache  # eager int8 layers ask at every product
+def _path_named(chosen: str) -> str:
+    if chosen in ("0", "int_mm"):
+        return "int_mm"
+    runs = _paths_this_cpu_runs()
+    if chosen in ("", "1", "auto"):
+        return runs[0]
+    if chosen not in PATHS:
+        raise ValueError(f"{_ENVIRONMENT}={chosen!r}: expected one of {', '.join(PATHS)}, 0 or auto")
+    if chosen not in runs:
+        raise ValueError(
+            f"{_ENVIRONMENT}={chosen}, but this machine runs only {', '.join(runs)} (its CPU's instruction sets, "
+            "and a C++ compiler to build the kernel)"
+        )
+    return chosen
+
+
 def available() -> bool:
-    """Whether int8 layers made now use the packed VNNI kernel: the CPU has AVX-512 VNNI, a C++ compiler built
-    the kernel (once per machine) and `HF_BLOCKWISE_INT8_KERNEL` is not `0`."""
-    if os.environ.get(_ENVIRONMENT, "1") == "0":
-        return False
-    return _loaded()
+    """Whether int8 layers made now use hf_blockwise's packed kernel ([`kernel_path`] is not `"int_mm"`)."""
+    return kernel_path() != "int_mm"
+
+
+@functools.cache
+def _paths_this_cpu_runs() -> tuple[str, ...]:
+    packed = ("avx512_vnni",) if torch.cpu._is_vnni_supported() else ()
+    packed += ("avx2",) if torch.cpu._is_avx2_supported() else ()
+    return (*packed, "int_mm") if packed and _loaded() else ("int_mm",)
 
 
 @functools.cache
 def _loaded() -> bool:
-    if not torch.cpu._is_vnni_supported():
-        return False
     compiler = cpp_compiler()
     if compiler is None:
         return False  # no compiler: inductor cannot compile either, and int8 products stay on torch._int_mm
@@ -69,8 +105,10 @@ def _loaded() -> bool:
             stacklevel=3,
         )
         return False
-    torch.library.register_fake("hf_blockwise::int8_mm")(_int8_mm_shape)
-    torch.library.register_fake("hf_blockwise::int8_linear")(_int8_linear_shape)
+    for name in ("int8_mm", "int8_mm_avx2"):
+        torch.library.register_fake(f"hf_blockwise::{name}")(_int8_mm_shape)
+    for name in ("int8_linear", "int8_linear_avx2"):
+        torch.library.register_fake(f"hf_blockwise::{name}")(_int8_linear_shape)
     return True
 
 
@@ -168,7 +206,8 @@ def int8_mm(rows: torch.Tensor, packed: torch.Tensor, offsets: torch.Tensor, out
     Returns:
         `torch.IntTensor` of shape `(N, out_features)`.
     """
-    return torch.ops.hf_blockwise.int8_mm(rows, packed, offsets, out_features)
+    product = torch.ops.hf_blockwise.int8_mm_avx2 if _packed_path() == "avx2" else torch.ops.hf_blockwise.int8_mm
+    return product(rows, packed, offsets, out_features)
 
 
 def int8_linear(
@@ -191,4 +230,13 @@ def int8_linear(
     Returns:
         `torch.FloatTensor` of shape `(N, out_features)`.
     """
-    return torch.ops.hf_blockwise.int8_linear(inputs, packed, offsets, weight_scale, bias)
+    linear = torch.ops.hf_blockwise.int8_linear_avx2 if _packed_path() == "avx2" else torch.ops.hf_blockwise.int8_linear
+    return linear(inputs, packed, offsets, weight_scale, bias)
+
+
+@torch.compiler.assume_constant_result
+def _packed_path() -> str:
+    """The packed path a product on a packed weight takes: [`kernel_path`]'s, or with `HF_BLOCKWISE_INT8_KERNEL=0`
+    (layers packed earlier) this CPU's fastest; read when a graph is traced (the paths compute the same integers)."""
+    path = kernel_path()
+    return path if path != "int_mm" else _paths_this_cpu_runs()[0]

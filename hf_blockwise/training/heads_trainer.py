@@ -67,6 +67,9 @@ class BlockwiseHeadsTrainer(AdapterCheckpointMixin, StepMetricsTrainer):
         return optimizer
 
     def training_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        if self.args.base_training == "frozen":
+            # a frozen base must not run dropout: the heads learn from the states greedy decoding produces
+            self.accelerator.unwrap_model(model).base_model.eval()
         outputs = model(**inputs)
         head_losses = outputs.head_losses  # (k-1,)
         if self.args.head_loss == "sampled" and model.training:
