@@ -321,3 +321,36 @@ set_files multi30k
 hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 100 --batch-sizes 1 \
     --threads 2 --modes greedy greedy_compiled heads_compiled feature_compiled oracle_k4_compiled \
     --out docs/bench/marian-base-multi30k-heads-block-b1
+
+# issue 63: heads trained to their ceiling on the frozen marian-base-en-de (k = 8, training/README.md's
+# checkpoints/heads-frozen-k8, not shipped: put beside a copy of the base), k = 4 and k = 8 from the same heads
+heads_copy=$(mktemp -d)
+cp $base/config.json $base/generation_config.json $base/model.safetensors $base/tokenizer.json \
+    $base/tokenizer_config.json $heads_copy/
+python -c "
+import sys, torch
+from transformers import AutoModelForSeq2SeqLM
+from hf_blockwise import BlockwiseHeadsModel
+base = AutoModelForSeq2SeqLM.from_pretrained(sys.argv[1])
+heads = BlockwiseHeadsModel.from_pretrained('checkpoints/heads-frozen-k8/final', base_model=base)
+heads.save_pretrained(sys.argv[1], base_model_name_or_path='.', dtype=torch.float16)
+" $heads_copy
+set_files multi30k
+hf-blockwise bench --model $heads_copy --source-file $src --reference-file $ref --sentences 100 --batch-sizes 1 \
+    --threads 2 --modes greedy greedy_compiled heads_k4_compiled heads_compiled \
+    --out docs/bench/marian-base-frozen-heads-k8-multi30k-b1
+
+# issue 65: int8 on the kernel's AVX2 path (a CPU without AVX-512 VNNI: the AMD EPYC Zen 3), against the float32
+# engine in the same run
+hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 100 --batch-sizes 1 \
+    --threads 2 --modes greedy greedy_compiled greedy_int8_compiled --out docs/bench/marian-base-avx2-int8-multi30k-b1
+
+# issue 64: speed_up's first call (it compiles) and steady state, multi30k-en-de with its feature drafter
+python scripts/speed_up_timing.py
+
+# issue 64: hf-blockwise train on the first 300 lines of Europarl's English training text, 30 steps (the output line
+# and train_summary.json into docs/bench/own-drafter-marian-base-300/)
+zcat $data/europarl_de_en/train.en.gz | head -n 300 > /tmp/europarl_300.txt
+hf-blockwise train feature-drafter --model $base --source-file /tmp/europarl_300.txt --out own-drafter --max-steps 30 \
+    --threads 2 --no-progress | tee docs/bench/own-drafter-marian-base-300/report.txt
+cp own-drafter/train_summary.json docs/bench/own-drafter-marian-base-300/
