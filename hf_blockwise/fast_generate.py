@@ -4,7 +4,7 @@ through the blockwise loop (the compiled engine, a drafter, int8 if asked), with
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ class FastGenerate:
     """`model.generate` after [`speed_up`]: transformers' own `generate` of the model's class with the loop's
     arguments as defaults (a call's own arguments win: `assistant=None` drafts nothing for that call)."""
 
-    model: nn.Module
+    model: nn.Module = field(repr=False)  # `print(model.generate)` shows the defaults, not the whole model
     defaults: dict[str, Any]
 
     @torch.no_grad()
