@@ -72,6 +72,12 @@ class LoadedModel:
     nar_model: NARDrafterModel | None = None
     assistant_model: nn.Module | None = None
 
+    def check_reads_text(self, name: str) -> None:
+        """A `ValueError` naming the model (`name`) when its encoder reads something other than text (audio
+        features, pixels): the corpus job and `hf-blockwise train` decode text lines."""
+        if self.feature_extractor is not None or hf.encoder_input_name(self.base) != "input_ids":
+            raise ValueError(f"{name}: its encoder reads {hf.encoder_input_name(self.base)}, not text")
+
     def int8_copy(self) -> LoadedModel:
         """An int8 quantized copy of the base (with its heads, when there are some), and a copy of its feature
         drafter on it (drafting from the int8 base's states; its layer in int8 where hf_blockwise's int8 kernel runs,

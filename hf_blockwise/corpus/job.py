@@ -395,8 +395,7 @@ def prepare_job(
     check_output_is_not_a_source(output, inputs, model)
     texts = read_sources(inputs, column, split)
     loaded, name = load_for_corpus(model, tokenizer)
-    if loaded.feature_extractor is not None or hf.encoder_input_name(loaded.base) != "input_ids":
-        raise ValueError(f"{name}: its encoder reads {hf.encoder_input_name(loaded.base)}, not text")
+    loaded.check_reads_text(name)
     return make_job(loaded, name, texts, input_identity(inputs, column, split), output, options)
 
 

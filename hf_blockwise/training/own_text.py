@@ -31,7 +31,6 @@ from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from hf_blockwise import boundary as hf
 from hf_blockwise.corpus import generate_corpus
 from hf_blockwise.corpus.output import locked_output
 from hf_blockwise.corpus.sources import texts_sha256
@@ -240,8 +239,7 @@ def claim_folder(out: Path, settings: dict[str, Any]) -> None:
 
 def check_text_model(loaded: LoadedModel, model: str | os.PathLike) -> None:
     """Refuses, before any work, a model whose encoder reads no text or that the loop cannot verify exactly."""
-    if loaded.feature_extractor is not None or hf.encoder_input_name(loaded.base) != "input_ids":
-        raise ValueError(f"{model}: its encoder reads {hf.encoder_input_name(loaded.base)}, not text")
+    loaded.check_reads_text(os.fspath(model))
     check_decoder(loaded.base)
 
 
