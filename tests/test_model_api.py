@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 
@@ -482,3 +483,41 @@ def test_resaved_heads_name_a_base_that_resolves_and_another_base_is_a_warning(t
     other.name_or_path = "some-org/another-marian"
     with pytest.warns(UserWarning, match="trained for base .* attached to 'some-org/another-marian'"):
         BlockwiseHeadsModel.from_pretrained(tmp_path / "resaved", base_model=other)
+
+
+def test_the_cache_argument_is_the_name_the_forward_takes() -> None:
+    """transformers 5.25 renamed forward's `past_key_values` to `cache`: the loop passes the cache under the name the
+    model's forward names, a PEFT-style wrapper's (`**kwargs`) under its base's, and a forward naming neither is
+    refused."""
+
+    class Renamed(torch.nn.Module):
+        def forward(self, decoder_input_ids=None, cache=None, **kwargs):
+            return cache
+
+    class Before(torch.nn.Module):
+        def forward(self, decoder_input_ids=None, past_key_values=None):
+            return past_key_values
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, base: torch.nn.Module) -> None:
+            super().__init__()
+            self.base = base
+
+        def get_base_model(self) -> torch.nn.Module:
+            return self.base
+
+        def forward(self, *args, **kwargs):
+            return self.base(*args, **kwargs)
+
+    class Neither(torch.nn.Module):
+        def forward(self, decoder_input_ids=None):
+            return decoder_input_ids
+
+    assert hf.cache_argument(Renamed()) == "cache"
+    assert hf.cache_argument(Before()) == "past_key_values"
+    assert hf.cache_argument(Wrapper(Renamed())) == "cache"
+    assert hf.cache_argument(Wrapper(Before())) == "past_key_values"
+    with pytest.raises(ValueError, match=r"Neither\.forward takes none of"):
+        hf.cache_argument(Neither())
+    model = ARCHITECTURES["bart"]()
+    assert hf.cache_argument(model) in inspect.unwrap(type(model).forward).__code__.co_varnames

@@ -1,18 +1,23 @@
 """The wheel is the library alone: small, without the shipped models, and it runs the demo on a shipped model given by
-path; without one, the demo says where the models are."""
+path; without one, the demo says where the models are. The transformers it requires is the range the test command
+tests."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 from test_corpus import random_sources
 from test_own_text import save_tiny_model
 
+from hf_blockwise.boundary import TESTED_TRANSFORMERS_RANGE, TESTED_TRANSFORMERS_VERSIONS
 from hf_blockwise.loading import SHIPPED_MODEL
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,3 +75,17 @@ def test_the_wheel_holds_the_library_alone_and_runs_the_demo_on_a_model_by_path(
     assert own.returncode == 0, own.stderr[-2000:]
     assert "heads saved in drafter after 2 steps on 36 lines" in own.stdout
     assert (tmp_path / "drafter" / "blockwise_heads.safetensors").is_file()
+
+
+def test_the_required_transformers_are_the_tested_range_and_the_test_command_runs_its_ends() -> None:
+    # the dependency's line of pyproject.toml (tomllib is Python 3.11+, the package supports 3.10)
+    (required,) = re.findall(r'^\s*"transformers([^"]*)",', (REPO / "pyproject.toml").read_text(), re.MULTILINE)
+    assert SpecifierSet(required) == SpecifierSet(TESTED_TRANSFORMERS_RANGE)
+    versions = sorted(Version(version) for version in TESTED_TRANSFORMERS_VERSIONS)
+    assert all(version in SpecifierSet(TESTED_TRANSFORMERS_RANGE) for version in versions)
+    # the range ends where its tested versions do: no minor release above the newest or below the oldest is claimed
+    allowed = SpecifierSet(TESTED_TRANSFORMERS_RANGE)
+    assert Version(f"{versions[0].major}.{versions[0].minor - 1}.99") not in allowed
+    assert Version(f"{versions[-1].major}.{versions[-1].minor + 1}.0") not in allowed
+    script = (REPO / "scripts" / "test.sh").read_text()
+    assert "TESTED_TRANSFORMERS_VERSIONS" in script and '"transformers==$version"' in script

@@ -3,8 +3,10 @@
 hf_blockwise plugs its decoding loop into `GenerationMixin.generate` as a callable `custom_generate`, so
 transformers does all the preparation (generation config merging, encoder pass, decoder start tokens,
 logits processors, stopping criteria, KV cache) and this package only replaces the decoding loop. What
-that loop needs from transformers beyond public API is collected here and tested against the pinned
-range below (`pyproject.toml`): when transformers changes, this is the one package to revisit.
+that loop needs from transformers beyond public API is collected here and tested against the range below
+(`TESTED_TRANSFORMERS_RANGE`, required by `pyproject.toml`; where releases differ, the difference is read from the
+model or the call, not from a version number: the cache argument's name, [`cache_argument`]): when transformers
+changes, this is the one package to revisit.
 
 Modules, each importing only those listed before it (and none of them this package's `__init__`):
 
@@ -102,6 +104,7 @@ from hf_blockwise.boundary.inputs import (
 from hf_blockwise.boundary.media import decoder_reads_frame_mask, encoder_output_mask, validate_segment_options
 from hf_blockwise.boundary.models import (
     BaseModelWrapper,
+    cache_argument,
     capture_output_projection_input,
     check_materialized,
     check_model_argument,
@@ -146,10 +149,15 @@ from hf_blockwise.boundary.tree import (
     tree_support,
 )
 
-TESTED_TRANSFORMERS_RANGE = ">=5.23,<5.24"
+# The transformers versions the boundary is tested against: the test command runs the whole suite on the installed one
+# and the range's subset (`scripts/test.sh`, RANGE_TESTS) on the oldest and the newest of these; `pyproject.toml`
+# requires the range they bound
+TESTED_TRANSFORMERS_VERSIONS = ("5.21.0", "5.25.0")
+TESTED_TRANSFORMERS_RANGE = ">=5.21,<5.26"
 
 __all__ = [
     "TESTED_TRANSFORMERS_RANGE",
+    "TESTED_TRANSFORMERS_VERSIONS",
     "BaseModelWrapper",
     "BeamOptions",
     "BeamSearchState",
@@ -169,6 +177,7 @@ __all__ = [
     "beam_options",
     "beam_search_output",
     "beam_search_step",
+    "cache_argument",
     "capture_output_projection_input",
     "check_block_size_fits",
     "check_decoder_length",

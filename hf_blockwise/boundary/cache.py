@@ -18,6 +18,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache, StaticLayer
 
+# The names a seq2seq forward (and generate's model kwargs) take the KV cache by: transformers 5.25 renamed
+# `past_key_values` to `cache` (the old name deprecated until 5.40, and ignored where both are given)
+CACHE_ARGUMENTS = ("cache", "past_key_values")
+
 
 def check_cache_settings(generation_config: Any) -> None:
     """Raises a `ValueError` naming `use_cache=False` or a `cache_implementation` other than the dynamic one: the
@@ -46,11 +50,12 @@ def new_decoder_cache() -> EncoderDecoderCache:
 
 def loop_decoder_cache(model_kwargs: dict[str, Any]) -> EncoderDecoderCache:
     """Checks that `generate` prepared an empty cache, and returns a croppable one to decode with instead."""
-    cache = model_kwargs.get("past_key_values")
+    # generate's own cache, under either name (`CACHE_ARGUMENTS`)
+    cache = next((model_kwargs[name] for name in CACHE_ARGUMENTS if model_kwargs.get(name) is not None), None)
     if cache is not None and not isinstance(cache, Cache):
         raise ValueError(f"Blockwise decoding needs a transformers Cache, got {type(cache).__name__}")
     if cache is not None and cache.get_seq_length() != 0:
-        raise ValueError("Blockwise decoding starts from an empty cache; a pre-filled past_key_values was passed")
+        raise ValueError("Blockwise decoding starts from an empty cache; a pre-filled cache was passed")
     return new_decoder_cache()
 
 

@@ -26,7 +26,7 @@ from transformers.generation.utils import GenerateEncoderDecoderOutput
 from transformers.utils import ModelOutput
 
 from hf_blockwise.boundary.beam import validate_beam_config
-from hf_blockwise.boundary.cache import check_cache_settings, loop_decoder_cache
+from hf_blockwise.boundary.cache import CACHE_ARGUMENTS, check_cache_settings, loop_decoder_cache
 from hf_blockwise.boundary.inputs import check_attention_mask, check_decoder_length, warn_unmasked_padding
 from hf_blockwise.boundary.media import encoder_output_mask, validate_segment_options
 from hf_blockwise.boundary.models import encoder_input_name
@@ -211,7 +211,7 @@ def expanded_source(inputs_tensor: torch.Tensor | None, num_rows: int) -> torch.
 # Arguments that `generate` leaves in `model_kwargs` and that a decoder forward must not receive again. `labels`: a
 # processor's training targets, which `generate` passes on (the image-text-to-text pipeline with DonutProcessor
 # does); greedy search's forward computes an unused loss over its one-token feeds, which a wider feed breaks.
-_GENERATE_ONLY_KWARGS = {"use_cache", "past_key_values", "logits_to_keep", "output_attentions",
+_GENERATE_ONLY_KWARGS = {"use_cache", *CACHE_ARGUMENTS, "logits_to_keep", "output_attentions",
                          "output_hidden_states", "return_dict", "decoder_input_ids", "cache_position",
                          "labels"}  # fmt: skip
 
@@ -262,11 +262,13 @@ def streamer_from_generate_call() -> BaseStreamer | None:
 def generate_call_argument(name: str) -> Any:
     """The argument `name` of the `GenerationMixin.generate` call that is running this loop (`None` when there is
     none), read from its frame: for the arguments transformers 5.23 does not hand a callable `custom_generate`."""
+    # under its decorators (`torch.no_grad`; from transformers 5.25 also `deprecate_kwarg`, twice)
+    generate_code = inspect.unwrap(GenerationMixin.generate).__code__
     frame = inspect.currentframe()
     try:
         caller = frame.f_back if frame is not None else None
         while caller is not None:
-            if caller.f_code is GenerationMixin.generate.__wrapped__.__code__:
+            if caller.f_code is generate_code:
                 return caller.f_locals.get(name)
             caller = caller.f_back
         return None

@@ -4,11 +4,14 @@ Read from the model and its config rather than from its type: the wrapper base c
 [`unwrap_base`]), the decoder's config, layer count and feed-forward width, a mixture-of-experts decoder's capacity,
 the encoder's output width and input name, the token embeddings (and whether encoder and decoder share them), the
 output projection and the logit bias after it (its input captured, its columns selected, its rows for a shortlist),
-and one cached decoder forward as `generate` runs it ([`decoder_forward`]).
+the name its forward takes the KV cache by ([`cache_argument`]), and one cached decoder forward as `generate` runs
+it ([`decoder_forward`]).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -20,6 +23,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import EncoderDecoderCache
 from transformers.generation import GenerationConfig
 
+from hf_blockwise.boundary.cache import CACHE_ARGUMENTS
 from hf_blockwise.boundary.tree import TreeInputs, tree_attention_mask, tree_positions
 
 
@@ -45,6 +49,30 @@ class BaseModelWrapper(nn.Module):
     @property
     def generation_config(self) -> GenerationConfig:
         return self.base_model.generation_config
+
+
+@functools.cache
+def _named_cache_argument(forward: Any) -> tuple[str | None, bool]:
+    """The cache argument a forward names (or `None`), and whether it takes other keyword arguments (`**kwargs`)."""
+    parameters = inspect.signature(forward).parameters
+    name = next((name for name in CACHE_ARGUMENTS if name in parameters), None)
+    return name, any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values())
+
+
+def cache_argument(model: nn.Module) -> str:
+    """The name under which `model`'s forward takes its KV cache (`"cache"` from transformers 5.25 on,
+    `"past_key_values"` before), read from the forward's signature (once per class); a wrapper whose forward passes
+    `**kwargs` on (PEFT's `PeftModel`) takes it under its base model's name."""
+    name, passes_kwargs = _named_cache_argument(type(model).forward)
+    if name is not None:
+        return name
+    base = getattr(model, "get_base_model", None)
+    if passes_kwargs and callable(base) and base() is not model:
+        return cache_argument(base())
+    raise ValueError(
+        f"{type(model).__name__}.forward takes none of {CACHE_ARGUMENTS}: its decoder cannot be run one cached step "
+        "at a time"
+    )
 
 
 def unwrap_base(model: nn.Module) -> nn.Module:
@@ -387,8 +415,8 @@ def decoder_forward(
             forward_kwargs = {**forward_kwargs, "decoder_attention_mask": mask}
         captured = stack.enter_context(capture_output_projection_input(model)) if capture_states else None
         outputs = model(
-            decoder_input_ids=decoder_input_ids, past_key_values=cache, use_cache=True, return_dict=True,
-            **forward_kwargs,
+            decoder_input_ids=decoder_input_ids, use_cache=True, return_dict=True,
+            **{cache_argument(model): cache, **forward_kwargs},
         )  # fmt: skip
     if captured is None:
         return outputs.logits, None

@@ -214,9 +214,9 @@ class NonAutoregressiveDrafter(Drafter):
                 encoder_outputs=state.encoder_outputs,
                 attention_mask=state.attention_mask,
                 decoder_input_ids=decoder_input_ids[:, start:],
-                past_key_values=state.cache,
                 use_cache=state.cache is not None,
                 return_dict=True,
+                **{hf.cache_argument(self.model): state.cache},
             ).logits  # (B, D, V)
         logits[..., self.config.mask_token_id] = torch.finfo(logits.dtype).min
         tokens = logits.argmax(dim=-1)  # (B, D)

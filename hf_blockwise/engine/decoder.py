@@ -233,6 +233,7 @@ class _DecoderStep(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model_ref = weakref.ref(model)
+        self.cache_argument = hf.cache_argument(model)  # read once, outside the traced forward
         self.capturing = False
         self.states: torch.Tensor | None = None
         projection = model.get_output_embeddings()
@@ -263,8 +264,8 @@ class _DecoderStep(nn.Module):
         self.capturing, self.depth = True, depth
         mask = hf.static_cache_mask(cache, tokens) if tree_mask is None else tree_mask
         outputs = self.model_ref()(
-            decoder_input_ids=tokens, past_key_values=cache, use_cache=True, return_dict=True,
-            **{**forward_kwargs, "decoder_attention_mask": mask},
+            decoder_input_ids=tokens, use_cache=True, return_dict=True,
+            **{self.cache_argument: cache, **forward_kwargs, "decoder_attention_mask": mask},
         )  # fmt: skip
         self.capturing, self.depth = False, None
         states, self.states = self.states, None
