@@ -325,6 +325,11 @@ for set in multi30k europarl; do
         --threads 2 --modes greedy greedy_compiled heads_compiled feature_compiled oracle_k4_compiled \
         --out docs/bench/marian-base-$set-heads-block-b1
 done
+# the same on captions with each generate's first decoder call compiled too (CompileOptions(compiled_prefill=True))
+set_files multi30k
+hf-blockwise bench --model $base --source-file $src --reference-file $ref --sentences 100 --batch-sizes 1 \
+    --threads 2 --modes greedy greedy_compiled heads_compiled feature_compiled oracle_k4_compiled --compiled-prefill \
+    --out docs/bench/marian-base-multi30k-heads-block-prefill-b1
 
 # issue 63: heads trained to their ceiling on the frozen marian-base-en-de (k = 8, training/README.md's
 # checkpoints/heads-frozen-k8, not shipped: put beside a copy of the base), k = 4 and k = 8 from the same heads
