@@ -5,7 +5,6 @@ time (it compiles) and the steady state on 30 Multi30k test_2016 captions decode
 
 from __future__ import annotations
 
-import gzip
 import platform
 import time
 
@@ -13,6 +12,8 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 from hf_blockwise import FeatureDrafterModel, speed_up
+from hf_blockwise.serialization import atomic_write_text
+from hf_blockwise.text_files import read_lines
 
 PATH = "hf_blockwise/pretrained/multi30k-en-de"
 CAPTIONS = "../shared/data/multi30k/test_2016_flickr.en.gz"
@@ -21,8 +22,7 @@ REPORT = "docs/bench/speed-up-multi30k/report.txt"
 
 def main() -> None:
     torch.set_num_threads(2)
-    with gzip.open(CAPTIONS, "rt", encoding="utf-8") as handle:
-        captions = [line.strip() for line in handle][:30]
+    captions = read_lines(CAPTIONS)[:30]  # as the bench reads its sources
     tokenizer, model = AutoTokenizer.from_pretrained(PATH), AutoModelForSeq2SeqLM.from_pretrained(PATH)
 
     def decode_all() -> tuple[float, list[torch.Tensor]]:
@@ -45,8 +45,7 @@ def main() -> None:
         f"{same}/30\n"
     )
     print(report, end="")
-    with open(REPORT, "w", encoding="utf-8") as handle:
-        handle.write(report)
+    atomic_write_text(REPORT, report)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ python3 -m pytest -q -p no:cacheprovider -n 2 --dist worksteal --durations=20  #
 # The tested transformers range (hf_blockwise.boundary.TESTED_TRANSFORMERS_VERSIONS, what pyproject.toml requires): its
 # oldest and newest releases, each in a virtual environment over this one's packages, run the tests of every contact
 # with transformers (loading and saving, generate's arguments, the step, the exactness of the eager loop and of the
-# compiled engine) -- those the installed version already ran above are skipped
+# compiled engine); a version equal to the installed one is skipped (the whole suite above ran on it)
 RANGE_TESTS=(
     tests/test_model_api.py tests/test_bad_inputs.py tests/test_serialization.py tests/test_step.py
     tests/test_exactness.py::test_no_drafter_is_greedy tests/test_exactness.py::test_perfect_drafter_needs_one_forward_per_block
