@@ -21,6 +21,7 @@ _SOURCES = {
     "BlockwiseHeadsOutput": "hf_blockwise.modeling.model",
     "Comparison": "hf_blockwise.evaluation",
     "CompositeDrafter": "hf_blockwise.drafters.composite",
+    "CorpusPredictor": "hf_blockwise.corpus",
     "CorpusReport": "hf_blockwise.corpus",
     "DecodingStats": "hf_blockwise.generation.state",
     "DistanceAcceptance": "hf_blockwise.generation.acceptance",
@@ -62,7 +63,7 @@ _SOURCES = {
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from hf_blockwise.compile_options import CompileOptions
-    from hf_blockwise.corpus import CorpusReport, generate_corpus
+    from hf_blockwise.corpus import CorpusPredictor, CorpusReport, generate_corpus
     from hf_blockwise.drafters.base import Drafter, DraftNoise, DraftRequest, Drafts, NoDrafter, VerifiedStates
     from hf_blockwise.drafters.composite import CompositeDrafter
     from hf_blockwise.drafters.feature import FeatureDrafter
@@ -117,6 +118,7 @@ __all__ = [
     "Comparison",
     "CompileOptions",
     "CompositeDrafter",
+    "CorpusPredictor",
     "CorpusReport",
     "DecodingStats",
     "DistanceAcceptance",

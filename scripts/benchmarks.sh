@@ -363,3 +363,6 @@ zcat $data/europarl_de_en/train.en.gz | head -n 300 > /tmp/europarl_300.txt
 hf-blockwise train feature-drafter --model $base --source-file /tmp/europarl_300.txt --out own-drafter --max-steps 30 \
     --threads 2 --no-progress | tee docs/bench/own-drafter-marian-base-300/report.txt
 cp own-drafter/train_summary.json docs/bench/own-drafter-marian-base-300/
+# issue 65: Ray Data (CorpusPredictor, 2 actors) against hf-blockwise generate on the same 1,000 lines, byte for byte
+python scripts/ray_corpus_check.py --model $base --input $data/multi30k/test_2016_flickr.en.gz --lines 1000 \
+    --batch-sizes 1 16 --out docs/bench/ray-corpus-multi30k

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Installs hf_blockwise with its test tools (and the optional CTranslate2, whose bench modes are tested) and runs lint, format check, the import-graph check and the test suite;
+# Installs hf_blockwise with its test tools (and the optional CTranslate2 and Ray Data, whose bench modes and corpus
+# predictor are tested) and runs lint, format check, the import-graph check and the test suite;
 # then the boundary's subset of the suite on the oldest and the newest transformers of the tested range.
 # torch is installed first from the pinned CPU build, so that resolving `torch>=2.4` pulls nothing else.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q "torch==2.13.0"
-python3 -m pip install -q -e ".[dev,ctranslate2]"
+python3 -m pip install -q -e ".[dev,ctranslate2,ray]"
 python3 -m ruff check .
 python3 -m ruff format --check .
 lint-imports  # the import graph has no cycles ([tool.importlinter] in pyproject.toml)

@@ -28,6 +28,15 @@ resumable on its own); when all are done, process 0 interleaves the shards' chun
 from hf_blockwise.corpus.job import DRAFTERS, CorpusReport, generate_corpus
 from hf_blockwise.corpus.output import CorpusSettings
 from hf_blockwise.corpus.planning import plan_batches
+from hf_blockwise.corpus.ray_data import CorpusPredictor
 from hf_blockwise.corpus.sources import read_sources
 
-__all__ = ["DRAFTERS", "CorpusReport", "CorpusSettings", "generate_corpus", "plan_batches", "read_sources"]
+__all__ = [
+    "DRAFTERS",
+    "CorpusPredictor",
+    "CorpusReport",
+    "CorpusSettings",
+    "generate_corpus",
+    "plan_batches",
+    "read_sources",
+]

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import datasets
 import torch
@@ -172,11 +172,23 @@ def decode_batch(
     ]
 
 
+class ChunkSettings(Protocol):
+    """What [`decode_chunk`] reads of a run's settings ([`CorpusSettings`] has it; so has a Ray Data predictor's):
+    `input` (where the sources come from, named in refusals), `batch_size`, `max_batch_tokens`, `on_long` and
+    `compile`."""
+
+    input: str
+    batch_size: int
+    max_batch_tokens: int | None
+    on_long: str
+    compile: bool
+
+
 def decode_chunk(
     loaded: LoadedModel,
     drafter: Drafter | None,
     texts: Sequence[str],
-    settings: CorpusSettings,
+    settings: ChunkSettings,
     generate_kwargs: dict[str, Any],
     first_line: int = 1,
 ) -> list[DecodedRow]:
@@ -217,11 +229,16 @@ def _too_long(where: str, line: int, text: str, reason: str) -> str:
     )
 
 
+def output_text(row: DecodedRow) -> str:
+    """A row's output as a text output line holds it (without the newline): line breaks inside become spaces, so
+    that line n stays source n."""
+    return " ".join(row.text.splitlines())
+
+
 def format_line(index: int, row: DecodedRow, settings: CorpusSettings) -> str:
-    """The output line of source `index` (with its newline): the text alone (line breaks inside become spaces, so
-    that line n stays source n), or a JSON object."""
+    """The output line of source `index` (with its newline): the text alone ([`output_text`]), or a JSON object."""
     if settings.output_format == "text":
-        return " ".join(row.text.splitlines()) + "\n"
+        return output_text(row) + "\n"
     record: dict[str, Any] = {"index": index, "output": None if row.skipped else row.text}
     if row.skipped:
         record["skipped"] = row.skipped
@@ -345,10 +362,16 @@ class CorpusOptions:
     def checked(self, output: Path) -> CorpusOptions:
         """These options with the output format resolved from the file name; a `ValueError` names a bad one."""
         fmt = self.output_format or ("jsonl" if output.name.removesuffix(".gz").endswith(".jsonl") else "text")
-        for what, value, allowed in (
-            ("output_format", fmt, OUTPUT_FORMATS), ("on_long", self.on_long, ("fail", "skip")),
-            ("drafter", self.drafter, DRAFTERS),
-        ):  # fmt: skip
+        if fmt not in OUTPUT_FORMATS:
+            raise ValueError(f"unknown output_format {fmt!r}; choose one of {OUTPUT_FORMATS}")
+        if self.stats and fmt != "jsonl":
+            raise ValueError("stats=True / --stats writes per-line stats into JSONL records: use a .jsonl output")
+        self.check_decoding()
+        return dataclasses.replace(self, output_format=fmt)
+
+    def check_decoding(self) -> None:
+        """A `ValueError` naming a bad option of how sources are decoded (all but the output's format)."""
+        for what, value, allowed in (("on_long", self.on_long, ("fail", "skip")), ("drafter", self.drafter, DRAFTERS)):
             if value not in allowed:
                 raise ValueError(f"unknown {what} {value!r}; choose one of {allowed}")
         sizes = {what: getattr(self, what) for what in ("batch_size", "chunk_size", "max_batch_tokens")}
@@ -356,10 +379,7 @@ class CorpusOptions:
         for what, value in sizes.items():
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{what} must be a positive int, got {value!r}")
-        if self.stats and fmt != "jsonl":
-            raise ValueError("stats=True / --stats writes per-line stats into JSONL records: use a .jsonl output")
         _check_generate_kwargs(self.generate_kwargs)
-        return dataclasses.replace(self, output_format=fmt)
 
 
 def _check_generate_kwargs(generate_kwargs: Any) -> None:
@@ -405,12 +425,7 @@ def make_job(
     """A job over loaded models (moved to this process's device) for `texts`, written to `output` (or, under
     `accelerate launch` with several processes, to this process's shard of it)."""
     options = options.checked(output)
-    if options.generate_kwargs.get("do_sample", loaded.base.generation_config.do_sample):
-        raise ValueError(
-            "do_sample=True: the corpus job decodes greedy or beam search, so that a resumed or repaired run writes "
-            "what an uninterrupted one writes (sampling draws its seed per call); pass --generate-kwargs "
-            '\'{"do_sample": false}\' / generate_kwargs={"do_sample": False} for a checkpoint that samples'
-        )
+    check_not_sampling(loaded, options.generate_kwargs)
     state = PartialState()
     loaded.to(state.device)
     chosen = choose_drafter(options.drafter, loaded, options.batch_size)
@@ -426,6 +441,18 @@ def make_job(
         loaded=loaded, drafter=build_drafter(chosen, loaded), texts=texts, settings=settings,
         generate_kwargs=dict(options.generate_kwargs), output=output, shard_output=shard_output, state=state,
     )  # fmt: skip
+
+
+def check_not_sampling(loaded: LoadedModel, generate_kwargs: dict[str, Any]) -> None:
+    """A `ValueError` where the call or the checkpoint's `generation_config` samples: a corpus is decoded greedily or
+    by beam search, so that a row's output does not depend on when or where it is decoded (sampling draws its seed
+    per call)."""
+    if generate_kwargs.get("do_sample", loaded.base.generation_config.do_sample):
+        raise ValueError(
+            "do_sample=True: the corpus job decodes greedy or beam search, so that a resumed or repaired run writes "
+            "what an uninterrupted one writes (sampling draws its seed per call); pass --generate-kwargs "
+            '\'{"do_sample": false}\' / generate_kwargs={"do_sample": False} for a checkpoint that samples'
+        )
 
 
 def generation_defaults(model: nn.Module) -> dict[str, Any]:
