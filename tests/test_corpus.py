@@ -17,11 +17,13 @@ from typing import Any
 
 import datasets
 import pytest
+import torch
 from conftest import build_model, save_with_random_heads, word_tokenizer
 
 from hf_blockwise import BlockwiseHeadsModel, FeatureDrafterConfig, FeatureDrafterModel
 from hf_blockwise import boundary as hf
 from hf_blockwise.corpus import generate_corpus, plan_batches, read_sources
+from hf_blockwise.corpus.decoding import batch_invariant, encoder_outputs_by_row
 from hf_blockwise.corpus.job import CorpusJob, run_job
 from hf_blockwise.corpus.output import CorpusRepairWarning, CorpusSettings, lock_path, progress_path
 from hf_blockwise.corpus.planning import chunks_of_shard
@@ -371,3 +373,52 @@ def test_an_output_changed_since_is_decoded_again_to_the_same_bytes(tmp_path, mo
         assert len(repairs) == 1 and f"{output} did not hold what this job wrote from line {first_bad} on" in repairs[0]
     unchanged = generate_corpus(loaded, sources, once, **arguments)  # a sound output is left alone
     assert unchanged.lines == 0 and unchanged.resumed_lines == 40 and unchanged.repaired_from is None
+
+
+def test_int8_runs_record_it_and_encode_rows_alone_where_the_engine_is_batch_invariant(tmp_path, model_dir) -> None:
+    """`int8=True` decodes with the int8 base (its greedy in the same batches), is recorded (a resumed float run is
+    refused), and only with the compiled engine on CPU are the rows encoded alone; `encoder_outputs_by_row` puts
+    each row's states, bitwise those of the row encoded alone, at its unpadded positions (either padding side)."""
+    sources = random_sources(12, seed=31)
+    arguments = {"batch_size": 4, "max_new_tokens": MAX_NEW_TOKENS, "progress": False}
+    generate_corpus(str(model_dir), sources, tmp_path / "int8.txt", int8=True, **arguments)
+    progress = json.loads(progress_path(tmp_path / "int8.txt").read_text())
+    assert progress["settings"]["int8"] is True
+    loaded = load_model(str(model_dir), int8=True)
+    encoded = loaded.tokenizer(sources)["input_ids"]
+    expected: dict[int, str] = {}
+    for batch in plan_batches([len(ids) for ids in encoded], 4):  # the job's batches of its one chunk
+        padded = loaded.tokenizer.pad({"input_ids": [encoded[i] for i in batch]}, return_tensors="pt")
+        sequences = loaded.base.generate(**padded, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, num_beams=1)
+        expected.update(zip(batch, loaded.tokenizer.batch_decode(sequences, skip_special_tokens=True), strict=True))
+    assert (tmp_path / "int8.txt").read_text().splitlines() == [expected[i] for i in range(12)]
+    (tmp_path / "in.txt").write_text("\n".join(sources) + "\n")
+    command = [
+        "generate",
+        "--model",
+        str(model_dir),
+        "--input",
+        str(tmp_path / "in.txt"),
+        "--int8",
+        "--batch-size",
+        "4",
+    ]
+    main([*command, "--output", str(tmp_path / "cli.txt"), "--max-new-tokens", str(MAX_NEW_TOKENS), "--no-progress"])
+    assert (tmp_path / "cli.txt").read_text() == (tmp_path / "int8.txt").read_text()
+    with pytest.raises(ValueError, match=r"belongs to another run: .*int8 True \(now False\)"):
+        generate_corpus(str(model_dir), sources, tmp_path / "int8.txt", **arguments)
+
+    assert batch_invariant(loaded, compile=True) and not batch_invariant(loaded, compile=False)
+    assert not batch_invariant(load_model(str(model_dir)), compile=True)
+    tokenizer = loaded.tokenizer
+    for side in ("right", "left"):
+        tokenizer.padding_side = side
+        batch = tokenizer(["w5 w6 w7 w8 w9", "w10", "w11 w12"], return_tensors="pt", padding=True)
+        with torch.inference_mode():
+            by_row = encoder_outputs_by_row(loaded.base, batch["input_ids"], batch["attention_mask"]).last_hidden_state
+            for row, mask in enumerate(batch["attention_mask"].bool()):
+                ids = batch["input_ids"][row, mask][None]
+                alone = loaded.base.get_encoder()(input_ids=ids, attention_mask=torch.ones_like(ids))
+                assert torch.equal(by_row[row, mask], alone.last_hidden_state[0]), (side, row)
+                assert not by_row[row, ~mask].any(), (side, row)
+    tokenizer.padding_side = "right"

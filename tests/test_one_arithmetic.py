@@ -21,6 +21,7 @@ from zoo import _BART_LIKE, _FAIRSEQ_IDS
 
 from hf_blockwise import blockwise_generate, fixed_order, quantize_dynamic_int8
 from hf_blockwise import boundary as hf
+from hf_blockwise.corpus.decoding import encoder_outputs_by_row
 from hf_blockwise.engine import MIN_FEED_WIDTH, CompileOptions, OneArithmeticWarning, compiled_decoder
 
 # three families of decoder: relative positions and RMS norm (T5), sinusoidal positions counted from non-pad tokens
@@ -109,7 +110,8 @@ def test_an_int8_engine_with_a_compiled_first_call_drafts_its_greedy_bitwise() -
     """With `compiled_prefill=True` a drafted decode's first call (the prompt and drafts) and greedy's (the prompt
     alone) run one compiled graph: drafts right most of the time and wrong sometimes reproduce the engine's greedy
     bitwise at batch 3, every forward is counted as compiled, the probe's comparison of the two first calls passes
-    where the contract is claimed, and other batches compile no other graph."""
+    where the contract is claimed, rows encoded alone decode as at batch 1, and other batches compile no other
+    graph."""
     model = quantize_dynamic_int8(_model("m2m100"))
     options = CompileOptions(compiled_prefill=True)
     batch = random_batch(model, 3, seed=5)
@@ -125,15 +127,32 @@ def test_an_int8_engine_with_a_compiled_first_call_drafts_its_greedy_bitwise() -
     verdicts = compiled_decoder(model, options).verdicts
     assert ("several rows", False) in verdicts
     assert all(verdict.claimed and verdict.bitwise for verdict in verdicts.values()), verdicts
-    # other sources, lengths and acceptance: one graph per batch class (one row, several) for the first calls and
-    # one for the others, whatever the widths (the first call is padded as the others are) and source lengths
+    # the rows encoded alone (the corpus job's int8 engine): each row decodes in the batch of three as alone, up to
+    # counted near-ties (not bitwise yet: here a padded row's scores differ from its batch-1 scores by a float spacing
+    # at a few steps); the same row three times, unpadded, is bitwise its batch of one (the probe's verdicts above)
+    scored = {**kwargs, "output_scores": True, "return_dict_in_generate": True}
+    encoded = encoder_outputs_by_row(model, batch["input_ids"], batch["attention_mask"])
+    together = model.generate(**batch, encoder_outputs=encoded, **scored)
+    assert_greedy_up_to_near_ties(model, batch, greedy, together.sequences, max_new_tokens=20)
+    for row, mask in enumerate(batch["attention_mask"].bool()):
+        ids = batch["input_ids"][row, mask][None]
+        alone = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **scored)
+        length = alone.sequences.shape[1]
+        single = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        assert_greedy_up_to_near_ties(model, single, alone.sequences, together.sequences[row : row + 1, :length])
+        if row == 0:
+            repeated = model.generate(**{name: value.repeat(3, 1) for name, value in single.items()}, **scored)
+            assert all(torch.equal(repeated.scores[t][2], alone.scores[t][0]) for t in range(len(alone.scores)))
+    # other sources, lengths and acceptance compile no other graph, whatever the widths (the first call is padded as
+    # the others are) and source lengths
+    engine = compiled_decoder(model, options)
+    graphs = len(engine._prefill.graph_products), len(engine._compiled.graph_products)
     other = random_batch(model, 2, seed=6, max_source_length=13)
     other_kwargs = {**kwargs, "max_new_tokens": 30}
     other_greedy = model.generate(**other, **other_kwargs)
     drafter = OracleDrafter(other_greedy, block_size=3, corruption=0.2, seed=3)
     assert torch.equal(model.generate(**other, assistant=drafter, **other_kwargs), other_greedy)
-    engine = compiled_decoder(model, options)
-    assert 1 <= len(engine._prefill.graph_products) <= 2 and 1 <= len(engine._compiled.graph_products) <= 2
+    assert (len(engine._prefill.graph_products), len(engine._compiled.graph_products)) == graphs
 
 
 def test_float32_with_fixed_order_linears_is_bitwise() -> None:

@@ -4,6 +4,7 @@ for byte through a local Ray cluster of two actors), both batch formats, its sta
 from __future__ import annotations
 
 import random
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,8 @@ import ray
 import ray.data
 from conftest import save_with_random_heads
 
-from hf_blockwise import CorpusPredictor, FeatureDrafterConfig, FeatureDrafterModel
+from hf_blockwise import CorpusPredictor, FeatureDrafterConfig, FeatureDrafterModel, generate_corpus
+from hf_blockwise.quantization import is_int8
 from hf_blockwise.tools.cli import main
 
 MAX_NEW_TOKENS = 16
@@ -81,6 +83,16 @@ def test_a_batch_decoded_as_the_jobs_chunk_gives_its_lines_in_both_batch_formats
     frame = predictor(pd.DataFrame({"text": sources}))
     assert isinstance(frame, pd.DataFrame) and frame["output"].tolist() == expected
     assert frame["new_tokens"].tolist() == columns["new_tokens"].tolist()
+
+
+def test_an_int8_predictor_decodes_with_the_int8_base(model_dir) -> None:
+    predictor = CorpusPredictor(str(model_dir), max_new_tokens=MAX_NEW_TOKENS, int8=True, batch_size=2)
+    assert is_int8(predictor.loaded.base)
+    sources = random_sources(5, seed=13)
+    output = Path(tempfile.mkdtemp()) / "out.txt"
+    settings = {"batch_size": 2, "max_new_tokens": MAX_NEW_TOKENS, "progress": False}
+    assert generate_corpus(str(model_dir), sources, output, int8=True, **settings).lines == 5
+    assert list(predictor({"text": sources})["output"]) == output.read_text().splitlines()
 
 
 def test_too_long_rows_are_skipped_or_refused_naming_the_row(model_dir) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import datasets
 import torch
@@ -20,7 +20,7 @@ from accelerate import PartialState
 from torch import nn
 from tqdm.auto import tqdm
 
-from hf_blockwise import boundary as hf
+from hf_blockwise.corpus.decoding import DecodedRow, decode_chunk, output_text
 from hf_blockwise.corpus.models import load_for_corpus
 from hf_blockwise.corpus.output import (
     CorpusSettings,
@@ -43,11 +43,9 @@ from hf_blockwise.corpus.paths import (
     check_output_location,
     input_identity,
 )
-from hf_blockwise.corpus.planning import chunks_of_shard, plan_batches
+from hf_blockwise.corpus.planning import chunks_of_shard
 from hf_blockwise.corpus.sources import read_sources, texts_sha256
 from hf_blockwise.drafters.base import Drafter
-from hf_blockwise.engine import CompileOptions
-from hf_blockwise.generation.loop import blockwise_generate
 from hf_blockwise.loading import DRAFTERS as REGISTERED_DRAFTERS
 from hf_blockwise.loading import (
     LoadedModel,
@@ -130,111 +128,6 @@ def choose_drafter(name: str, loaded: LoadedModel, batch_size: int) -> str:
     return name
 
 
-@dataclass(frozen=True)
-class DecodedRow:
-    """One source's output: `text`, and what it cost (`new_tokens`, `decoder_calls`); `skipped` names why a source
-    was not decoded (then `text` is empty)."""
-
-    text: str
-    new_tokens: int = 0
-    decoder_calls: int = 0
-    skipped: str | None = None
-
-
-def decode_batch(
-    loaded: LoadedModel,
-    drafter: Drafter | None,
-    ids: Sequence[list[int]],
-    generate_kwargs: dict[str, Any],
-    compile: bool,
-) -> list[DecodedRow]:
-    """Decodes one batch of tokenized sources through the loop.
-
-    Args:
-        ids: each source's token ids (special tokens included), unpadded.
-
-    Returns:
-        `list[DecodedRow]`, one per source, in the order of `ids`.
-    """
-    batch = loaded.tokenizer.pad({"input_ids": list(ids)}, return_tensors="pt").to(loaded.base.device)
-    # a long run: on CPU each batch's first decoder call is compiled too (a second graph, paid once per run)
-    options = CompileOptions(compiled_prefill=loaded.base.device.type == "cpu") if compile else None
-    output = loaded.base.generate(
-        **batch, custom_generate=blockwise_generate, assistant=drafter, blockwise_compile=options,
-        return_dict_in_generate=True, **generate_kwargs,
-    )  # fmt: skip
-    texts = loaded.tokenizer.batch_decode(output.sequences, skip_special_tokens=True)
-    accepted = output.decoding_stats.accepted  # (iterations, rows): tokens each row gained at each decoder call
-    new_tokens, calls = accepted.sum(dim=0).tolist(), (accepted > 0).sum(dim=0).tolist()
-    return [
-        DecodedRow(text=text, new_tokens=int(tokens), decoder_calls=int(count))
-        for text, tokens, count in zip(texts, new_tokens, calls, strict=True)
-    ]
-
-
-class ChunkSettings(Protocol):
-    """What [`decode_chunk`] reads of a run's settings ([`CorpusSettings`] has it; so has a Ray Data predictor's):
-    `input` (where the sources come from, named in refusals), `batch_size`, `max_batch_tokens`, `on_long` and
-    `compile`."""
-
-    input: str
-    batch_size: int
-    max_batch_tokens: int | None
-    on_long: str
-    compile: bool
-
-
-def decode_chunk(
-    loaded: LoadedModel,
-    drafter: Drafter | None,
-    texts: Sequence[str],
-    settings: ChunkSettings,
-    generate_kwargs: dict[str, Any],
-    first_line: int = 1,
-) -> list[DecodedRow]:
-    """One chunk of sources, decoded in sorted batches and put back in input order; too long sources are skipped
-    or refused (`settings.on_long`, the refusal naming the source's line of the input: `first_line` is the chunk's
-    first, from 1). A blank source (empty or whitespace only) gives a blank output without being decoded, as
-    CTranslate2 and Marian do: a model fed only its end-of-sequence token would still say something."""
-    encoded = loaded.tokenizer(list(texts))["input_ids"]
-    limit = hf.encoder_position_limit(loaded.base)  # None: relative or growing positions (T5, NLLB)
-    rows: list[DecodedRow | None] = [None] * len(texts)
-    decodable = []
-    for index, ids in enumerate(encoded):
-        if not texts[index].strip():
-            rows[index] = DecodedRow(text="")
-        elif limit is not None and len(ids) > limit:
-            reason = f"the source has {len(ids)} tokens; the model has positions for {limit}"
-            if settings.on_long == "fail":
-                raise ValueError(_too_long(settings.input, first_line + index, texts[index], reason))
-            rows[index] = DecodedRow(text="", skipped=reason)
-        else:
-            decodable.append(index)
-    lengths = [len(encoded[index]) for index in decodable]
-    for planned in plan_batches(lengths, settings.batch_size, settings.max_batch_tokens):
-        members = [decodable[position] for position in planned]
-        decoded = decode_batch(loaded, drafter, [encoded[i] for i in members], generate_kwargs, settings.compile)
-        for index, row in zip(members, decoded, strict=True):
-            rows[index] = row
-    return rows  # type: ignore[return-value]  # every index is filled above
-
-
-def _too_long(where: str, line: int, text: str, reason: str) -> str:
-    """The refusal of a source too long for the model: the input, the source's line there (its record, for JSONL
-    and datasets), how it starts, and what to do."""
-    start = text[:40] + ("..." if len(text) > 40 else "")
-    return (
-        f"line {line} of {where} ({len(text)} characters, starting {start!r}) is too long: {reason}. Shorten or split "
-        "it, or pass --on-long skip / on_long='skip' to skip such lines (their output line is empty)"
-    )
-
-
-def output_text(row: DecodedRow) -> str:
-    """A row's output as a text output line holds it (without the newline): line breaks inside become spaces, so
-    that line n stays source n."""
-    return " ".join(row.text.splitlines())
-
-
 def format_line(index: int, row: DecodedRow, settings: CorpusSettings) -> str:
     """The output line of source `index` (with its newline): the text alone ([`output_text`]), or a JSON object."""
     if settings.output_format == "text":
@@ -275,6 +168,7 @@ def generate_corpus(
     max_new_tokens: int | None = None,
     generate_kwargs: dict[str, Any] | None = None,
     compile: bool = False,
+    int8: bool = False,
     output_format: str | None = None,
     stats: bool = False,
     on_long: str = "fail",
@@ -290,9 +184,8 @@ def generate_corpus(
     source gives a blank output.
 
     Args:
-        model: a model directory (with its drafters: proposal heads, `feature-drafter/`), a hub id, or a model
-            already loaded (a transformers seq2seq model, a [`BlockwiseHeadsModel`] or [`FeatureDrafterModel`], or
-            a [`LoadedModel`]) in eval mode, with its `tokenizer`.
+        model: a model directory (with its drafters), a hub id, or a model loaded in eval mode (a transformers seq2seq
+            model, a [`BlockwiseHeadsModel`], [`FeatureDrafterModel`] or [`LoadedModel`]) with its `tokenizer`.
         inputs: a text file, a JSONL file, a data file or saved/hub dataset (`column`, `split`), a list of strings or
             a `datasets.Dataset` (see [`read_sources`]).
         output (`str` or `os.PathLike`): the output file; `OUTPUT.progress.json` beside it records progress. Never
@@ -303,19 +196,19 @@ def generate_corpus(
         max_new_tokens (`int`, *optional*): the length limit, as in `generate`; by default the checkpoint's
             `generation_config`, as `model.generate()` without arguments (`generate_kwargs` may set more arguments).
         compile (`bool`): verify through the compiled engine, on CPU with `CompileOptions(compiled_prefill=True)`.
+        int8 (`bool`): the base in int8 (CPU); with `compile`, each row encoded alone ([`batch_invariant`]).
         output_format (`str`, *optional*): `"text"` or `"jsonl"`; by default from the file name (`.jsonl` -> JSONL).
         stats (`bool`): JSONL records also carry `new_tokens` and `decoder_calls`.
-        on_long (`str`): `"fail"` (default) or `"skip"` (with a warning; the line's output is empty) for sources
-            longer than the model's positions.
+        on_long (`str`): `"fail"` (default) or `"skip"` (with a warning, an empty output) for too long sources.
         chunk_size (`int`): lines sorted together and written together; the unit of resuming and of sharding.
         overwrite (`bool`): replace an existing output instead of resuming or refusing it.
-        progress (`bool`): show a progress bar with tokens/s and tokens per decoder call.
+        progress (`bool`): a progress bar with tokens/s and tokens per decoder call.
 
     Returns:
         [`CorpusReport`] of this process's work.
     """
     options = CorpusOptions(
-        drafter=drafter, batch_size=batch_size, max_batch_tokens=max_batch_tokens, compile=compile,
+        drafter=drafter, batch_size=batch_size, max_batch_tokens=max_batch_tokens, compile=compile, int8=int8,
         generate_kwargs=merged_generate_kwargs(max_new_tokens, generate_kwargs), output_format=output_format,
         stats=stats, on_long=on_long, chunk_size=chunk_size,
     )  # fmt: skip
@@ -354,6 +247,7 @@ class CorpusOptions:
     max_batch_tokens: int | None = None
     generate_kwargs: dict[str, Any] = field(default_factory=dict)
     compile: bool = False
+    int8: bool = False
     output_format: str | None = None
     stats: bool = False
     on_long: str = "fail"
@@ -414,7 +308,7 @@ def prepare_job(
     check_output_location(output)
     check_output_is_not_a_source(output, inputs, model)
     texts = read_sources(inputs, column, split)
-    loaded, name = load_for_corpus(model, tokenizer)
+    loaded, name = load_for_corpus(model, tokenizer, int8=options.int8)
     loaded.check_reads_text(name)
     return make_job(loaded, name, texts, input_identity(inputs, column, split), output, options)
 
@@ -427,6 +321,7 @@ def make_job(
     options = options.checked(output)
     check_not_sampling(loaded, options.generate_kwargs)
     state = PartialState()
+    check_int8_device(options.int8, state.device)
     loaded.to(state.device)
     chosen = choose_drafter(options.drafter, loaded, options.batch_size)
     settings = CorpusSettings(
@@ -434,13 +329,19 @@ def make_job(
         generate_kwargs=dict(options.generate_kwargs), generation_config=generation_defaults(loaded.base),
         batch_size=options.batch_size, max_batch_tokens=options.max_batch_tokens, chunk_size=options.chunk_size,
         output_format=options.output_format, stats=options.stats, on_long=options.on_long, compile=options.compile,
-        num_shards=state.num_processes, shard=state.process_index if state.num_processes > 1 else -1,
+        int8=options.int8, num_shards=state.num_processes, shard=state.process_index if state.num_processes > 1 else -1,
     )  # fmt: skip
     shard_output = output if state.num_processes == 1 else shard_path(output, state.process_index, state.num_processes)
     return CorpusJob(
         loaded=loaded, drafter=build_drafter(chosen, loaded), texts=texts, settings=settings,
         generate_kwargs=dict(options.generate_kwargs), output=output, shard_output=shard_output, state=state,
     )  # fmt: skip
+
+
+def check_int8_device(int8: bool, device: torch.device) -> None:
+    """A `ValueError` for int8 on a device other than the CPU (int8 layers run on the CPU only)."""
+    if int8 and device.type != "cpu":
+        raise ValueError(f"int8 / --int8 quantizes for the CPU; this process decodes on {device}: drop int8 there")
 
 
 def check_not_sampling(loaded: LoadedModel, generate_kwargs: dict[str, Any]) -> None:

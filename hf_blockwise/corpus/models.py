@@ -16,17 +16,21 @@ from hf_blockwise.corpus.paths import check_tokenizer, model_identity
 from hf_blockwise.loading import LoadedModel, load_model
 from hf_blockwise.modeling.feature_model import FeatureDrafterModel
 from hf_blockwise.modeling.model import BlockwiseHeadsModel
-from hf_blockwise.quantization import float_state_dict
+from hf_blockwise.quantization import float_state_dict, is_int8
 
 
-def load_for_corpus(model: str | os.PathLike | nn.Module | LoadedModel, tokenizer: Any) -> tuple[LoadedModel, str]:
+def load_for_corpus(
+    model: str | os.PathLike | nn.Module | LoadedModel, tokenizer: Any, int8: bool = False
+) -> tuple[LoadedModel, str]:
     """The models a job decodes with, and how its progress file names them: a local directory by its resolved path,
-    a hub id as given, a model in memory by its class, name and a digest of its weights."""
+    a hub id as given, a model in memory by its class, name and a digest of its weights. With `int8`, the base
+    quantized to int8 (a directory or hub id loaded so, a model in memory as an int8 copy unless it is int8 already;
+    see [`load_model`] and [`LoadedModel.int8_copy`])."""
     if isinstance(model, str | os.PathLike):
         if tokenizer is not None:
             raise ValueError("tokenizer= goes with a loaded model: a model directory or hub id loads its own")
         check_tokenizer(model)
-        return load_model(os.fspath(model)), model_identity(model)
+        return load_model(os.fspath(model), int8=int8), model_identity(model)
     if isinstance(model, nn.Module):
         if tokenizer is None:
             raise ValueError(
@@ -42,6 +46,8 @@ def load_for_corpus(model: str | os.PathLike | nn.Module | LoadedModel, tokenize
     for module in (loaded.base, loaded.heads_model, loaded.feature_model):
         if module is not None and module.training:
             raise ValueError(f"the {type(module).__name__} is in training mode (dropout on): call .eval() first")
+    if int8 and not is_int8(loaded.base):
+        loaded = loaded.int8_copy()
     return loaded, in_memory_identity(loaded)
 
 

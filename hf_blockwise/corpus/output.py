@@ -11,7 +11,7 @@ import json
 import os
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any
 
@@ -41,7 +41,7 @@ class CorpusSettings:
         batch_size (`int`), max_batch_tokens (`int`, *optional*), chunk_size (`int`): the batching.
         output_format (`str`): `"text"` (one output per line) or `"jsonl"`; stats (`bool`): per-line stats in JSONL.
         on_long (`str`): `"fail"` or `"skip"` for sources longer than the model's positions.
-        compile (`bool`): the compiled engine verifies.
+        compile (`bool`): the compiled engine verifies. int8 (`bool`): the base was quantized to int8 first.
         num_shards (`int`), shard (`int`): for a shard file, the run's processes and this one's index; a whole
             output (one process, or the shards merged) has 1 and -1, whatever the number of processes that wrote it,
             since that number does not change a byte of it.
@@ -63,6 +63,11 @@ class CorpusSettings:
     compile: bool
     num_shards: int = 1
     shard: int = -1
+    int8: bool = False
+
+
+# the settings with defaults: what a progress file written before a setting existed means by its absence
+_SETTING_DEFAULTS = {item.name: item.default for item in fields(CorpusSettings) if item.default is not MISSING}
 
 
 def progress_path(output: str | os.PathLike) -> Path:
@@ -183,6 +188,8 @@ def read_progress(output: str | os.PathLike) -> OutputProgress | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         progress = OutputProgress(**data)
+        # settings added since the file was written (`int8`) read as their defaults: that run did not set them
+        progress.settings = {**_SETTING_DEFAULTS, **progress.settings}
     except (json.JSONDecodeError, TypeError) as error:
         raise ValueError(f"{path} is not a progress file of hf-blockwise generate ({error})") from error
     if "chunks" not in data and progress.lines > 0:

@@ -19,14 +19,13 @@ import torch
 from accelerate import PartialState
 from torch import nn
 
+from hf_blockwise.corpus.decoding import DecodedRow, decode_chunk, output_text
 from hf_blockwise.corpus.job import (
     CorpusOptions,
-    DecodedRow,
+    check_int8_device,
     check_not_sampling,
     choose_drafter,
-    decode_chunk,
     merged_generate_kwargs,
-    output_text,
 )
 from hf_blockwise.corpus.models import load_for_corpus
 from hf_blockwise.loading import LoadedModel, build_drafter
@@ -50,8 +49,10 @@ class CorpusPredictor:
     at most `batch_size` rows (and `max_batch_tokens` padded source tokens), through the loop with the drafter, put
     back in the batch's order. A row's output is then `hf-blockwise generate`'s line for the same source with the
     same settings where the rows decoded together are the same: always at `batch_size=1` (each row is decoded alone,
-    however Ray batches the data set); above 1, a row's tokens may depend on the rows padded beside it (issue 65: at
-    floating-point near-ties), as they do between two `--batch-size` settings of the corpus job.
+    however Ray batches the data set); with `int8=True, compile=True` on the CPU each row is encoded alone and the
+    int8 engine computes its calls as in a batch of one ([`batch_invariant`]: 96 of 96 news sentences as at batch 1,
+    not yet bitwise); otherwise a row's tokens may depend on the rows padded beside it, at floating-point near-ties,
+    as they do between two `--batch-size` settings of the corpus job.
 
     ```python
     # Ray builds one predictor per actor, from fn_constructor_kwargs
@@ -67,8 +68,8 @@ class CorpusPredictor:
         column (`str`, defaults to `"text"`): the column of sources (`ray.data.read_text` names it `text`).
         output_column (`str`, defaults to `"output"`): the column the outputs go to (text as a text output line
             holds it: line breaks inside become spaces; `None` for a row skipped as too long).
-        drafter, batch_size, max_batch_tokens, max_new_tokens, num_beams, generate_kwargs, compile, on_long: as
-            [`generate_corpus`] and `hf-blockwise generate` take them (`"auto"`: composite at batch size 1, else
+        drafter, batch_size, max_batch_tokens, max_new_tokens, num_beams, generate_kwargs, compile, int8, on_long:
+            as [`generate_corpus`] and `hf-blockwise generate` take them (`"auto"`: composite at batch size 1, else
             the loop alone; the checkpoint's `generation_config` by default).
         stats (`bool`): also the columns `new_tokens` and `decoder_calls` of each row.
         threads (`int`, *optional*): torch CPU threads of each actor (`--threads`); by default what torch has
@@ -91,12 +92,13 @@ class CorpusPredictor:
         num_beams: int | None = None,
         generate_kwargs: dict[str, Any] | None = None,
         compile: bool = False,
+        int8: bool = False,
         stats: bool = False,
         on_long: str = "fail",
         threads: int | None = None,
     ) -> None:
         options = CorpusOptions(
-            drafter=drafter, batch_size=batch_size, max_batch_tokens=max_batch_tokens, compile=compile,
+            drafter=drafter, batch_size=batch_size, max_batch_tokens=max_batch_tokens, compile=compile, int8=int8,
             generate_kwargs=merged_generate_kwargs(max_new_tokens, generate_kwargs, num_beams), on_long=on_long,
         )  # fmt: skip
         options.check_decoding()
@@ -109,10 +111,12 @@ class CorpusPredictor:
             raise ValueError(f"threads must be a positive int, got {threads!r}")
         if threads is not None:
             torch.set_num_threads(threads)
-        loaded, name = load_for_corpus(model, tokenizer)
+        device = PartialState().device  # as the corpus job: the GPU Ray gives the actor (num_gpus=1), else the CPU
+        check_int8_device(int8, device)
+        loaded, name = load_for_corpus(model, tokenizer, int8=int8)
         loaded.check_reads_text(name)
         check_not_sampling(loaded, options.generate_kwargs)
-        loaded.to(PartialState().device)  # as the corpus job: the GPU Ray gives the actor (num_gpus=1), else the CPU
+        loaded.to(device)
         self.loaded = loaded
         self.drafter_name = choose_drafter(options.drafter, loaded, options.batch_size)
         self.drafter = build_drafter(self.drafter_name, loaded)

@@ -44,6 +44,10 @@ def add_generate_arguments(command: argparse.ArgumentParser) -> None:
         "checkpoint's generation_config"
     )  # fmt: skip
     command.add_argument("--compile", action="store_true", help="verify through the compiled engine")
+    command.add_argument(
+        "--int8", action="store_true", help="the base in int8 (CPU): exact against its int8 greedy; with --compile, "
+        "each row is encoded alone, so that a line's output does not depend on the rows batched with it"
+    )  # fmt: skip
     command.add_argument("--format", choices=("text", "jsonl"), default=None, help="default: from the file name")
     command.add_argument("--stats", action="store_true", help="JSONL records carry new_tokens and decoder_calls")
     command.add_argument(
@@ -73,7 +77,7 @@ def run_generate_command(parser: argparse.ArgumentParser, args: argparse.Namespa
         options = CorpusOptions(
             drafter=args.drafter, batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens,
             generate_kwargs=merged_generate_kwargs(args.max_new_tokens, args.generate_kwargs, args.num_beams),
-            compile=args.compile,
+            compile=args.compile, int8=args.int8,
             output_format=args.format, stats=args.stats, on_long=args.on_long, chunk_size=args.chunk_size,
         )  # fmt: skip
         job = prepare_job(args.model, args.input, args.output, column=args.column, split=args.split, options=options)
