@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import random
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -130,6 +131,24 @@ def save_with_random_heads(
     word_tokenizer().save_pretrained(directory)
     model.save_pretrained(directory, base_model_name_or_path=".", **save_kwargs)
     return base
+
+
+def random_sources(count: int, seed: int) -> list[str]:
+    """`count` sources of 1 to 14 words of the tiny vocabulary (`w3` ... `w63`), for the corpus tests."""
+    rng = random.Random(seed)
+    return [" ".join(f"w{rng.randrange(3, 64)}" for _ in range(rng.randint(1, 14))) for _ in range(count)]
+
+
+def save_corpus_model(directory: Path) -> Path:
+    """A tiny Marian with a word tokenizer, random proposal heads (often wrong) and an untrained feature drafter,
+    saved in `directory` (returned): what the corpus job's tests decode with."""
+    from hf_blockwise import FeatureDrafterConfig, FeatureDrafterModel
+
+    base = save_with_random_heads(directory)
+    FeatureDrafterModel(base, FeatureDrafterConfig(block_size=4)).save_pretrained(
+        directory / "feature-drafter", base_model_name_or_path=".."
+    )
+    return directory
 
 
 TRAINING = Path(__file__).resolve().parent.parent / "training"

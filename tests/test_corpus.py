@@ -18,9 +18,9 @@ from typing import Any
 import datasets
 import pytest
 import torch
-from conftest import build_model, save_with_random_heads, word_tokenizer
+from conftest import build_model, random_sources, save_corpus_model, word_tokenizer
 
-from hf_blockwise import BlockwiseHeadsModel, FeatureDrafterConfig, FeatureDrafterModel
+from hf_blockwise import BlockwiseHeadsModel
 from hf_blockwise import boundary as hf
 from hf_blockwise.corpus import generate_corpus, plan_batches, read_sources
 from hf_blockwise.corpus.decoding import batch_invariant, encoder_outputs_by_row
@@ -34,20 +34,9 @@ MAX_NEW_TOKENS = 16
 REPO = Path(__file__).resolve().parents[1]
 
 
-def random_sources(count: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(f"w{rng.randrange(3, 64)}" for _ in range(rng.randint(1, 14))) for _ in range(count)]
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    """A tiny Marian with a word tokenizer, random proposal heads (often wrong) and an untrained feature drafter."""
-    directory = tmp_path_factory.mktemp("model")
-    base = save_with_random_heads(directory)
-    FeatureDrafterModel(base, FeatureDrafterConfig(block_size=4)).save_pretrained(
-        directory / "feature-drafter", base_model_name_or_path=".."
-    )
-    return directory
+    return save_corpus_model(tmp_path_factory.mktemp("model"))
 
 
 def greedy_in_the_same_batches(model_dir: Path, sources: list[str], batch_size: int, chunk_size: int) -> list[str]:

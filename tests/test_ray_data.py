@@ -3,7 +3,6 @@ for byte through a local Ray cluster of two actors), both batch formats, its sta
 
 from __future__ import annotations
 
-import random
 import tempfile
 from pathlib import Path
 
@@ -12,29 +11,18 @@ import pandas as pd
 import pytest
 import ray
 import ray.data
-from conftest import save_with_random_heads
+from conftest import random_sources, save_corpus_model
 
-from hf_blockwise import CorpusPredictor, FeatureDrafterConfig, FeatureDrafterModel, generate_corpus
+from hf_blockwise import CorpusPredictor, generate_corpus
 from hf_blockwise.quantization import is_int8
 from hf_blockwise.tools.cli import main
 
 MAX_NEW_TOKENS = 16
 
 
-def random_sources(count: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(f"w{rng.randrange(3, 64)}" for _ in range(rng.randint(1, 14))) for _ in range(count)]
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    """A tiny Marian with a word tokenizer, random proposal heads (often wrong) and an untrained feature drafter."""
-    directory = tmp_path_factory.mktemp("model")
-    base = save_with_random_heads(directory)
-    FeatureDrafterModel(base, FeatureDrafterConfig(block_size=4)).save_pretrained(
-        directory / "feature-drafter", base_model_name_or_path=".."
-    )
-    return directory
+    return save_corpus_model(tmp_path_factory.mktemp("model"))
 
 
 def generated_lines(model_dir: Path, sources: list[str], output: Path, **settings) -> list[str]:
